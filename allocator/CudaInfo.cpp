@@ -1,0 +1,25 @@
+// Facts about CUDA devices that the allocator's callers need, without CUDA in their headers.
+#include "allocator/Topology.h"
+
+#ifdef SUPERCHIP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace superchip {
+
+std::string cuda_pci_bus_id(int device) {
+#ifdef SUPERCHIP_HAVE_CUDA
+  if (device < 0) return "";
+  char id[32] = {0};
+  if (cudaDeviceGetPCIBusId(id, sizeof(id), device) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky error so later calls are unaffected
+    return "";
+  }
+  return std::string(id);
+#else
+  (void)device;
+  return "";
+#endif
+}
+
+}  // namespace superchip

@@ -1,0 +1,123 @@
+// MemoryManager: the two-tier memory (hbm + host) of one superchip device.
+// Invariants (per tier, checked by check_invariants()):
+//   allocated_bytes = sum(live block sizes) + external_bytes
+//   reserved_bytes  = sum(backing blocks, live or cached) + external_bytes >= allocated_bytes
+//   reserved_bytes <= capacity_bytes (capacity 0 = unlimited)
+// Thread-safety: every public method may be called from any thread; each tier has its own
+// mutex. Nothing here takes the GIL or includes torch. free()/release_external() never throw.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace superchip {
+
+enum class Tier : uint8_t { kHbm = 0, kHost = 1 };
+constexpr int kNumTiers = 2;
+
+// "hbm" / "host".
+const char* tier_name(Tier tier) noexcept;
+// Inverse of tier_name; nullopt for anything else.
+std::optional<Tier> parse_tier(std::string_view name) noexcept;
+
+// Exact statistics of one tier, in bytes unless named otherwise.
+struct TierStats {
+  int64_t allocated_bytes = 0;       // bytes in live blocks (rounded sizes) + external bytes
+  int64_t requested_bytes = 0;       // bytes asked for by live allocations (unrounded) + external
+  int64_t reserved_bytes = 0;        // bytes obtained from the backing (live + cached) + external
+  int64_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset_peak()
+  int64_t peak_reserved_bytes = 0;   // max of reserved_bytes since the last reset_peak()
+  int64_t capacity_bytes = 0;        // budget; 0 = unlimited
+  int64_t external_bytes = 0;        // adopted memory accounted through account_external()
+  int64_t active_allocations = 0;    // live blocks + live external accounts
+  int64_t num_allocs = 0;            // cumulative allocate() + account_external() calls
+  int64_t num_frees = 0;             // cumulative free() + release_external() calls
+  int64_t num_cache_hits = 0;        // allocations served from the cache
+  int64_t num_ooms = 0;              // OutOfTierMemory errors raised
+};
+
+// Raised when a tier cannot satisfy a request even after releasing its cache. The
+// message names the tier, the device, the request, the budget and what is in use, and
+// says what the user can do. The manager's state is unchanged by a failed request.
+class OutOfTierMemory : public std::runtime_error {
+ public:
+  OutOfTierMemory(const std::string& what, Tier tier, size_t requested)
+      : std::runtime_error(what), tier_(tier), requested_(requested) {}
+  Tier tier() const noexcept { return tier_; }
+  size_t requested() const noexcept { return requested_; }
+
+ private:
+  Tier tier_;
+  size_t requested_;
+};
+
+struct MemoryConfig {
+  int device_index = 0;
+  // hbm backing: false = emulated (a host-memory pool), true = cudaMalloc on device_index
+  // (only in builds with SUPERCHIP_HAVE_CUDA; otherwise the constructor throws).
+  bool cuda = false;
+  size_t hbm_capacity = 0;   // bytes; 0 = unlimited (emulated default is chosen by the caller)
+  size_t host_capacity = 0;  // bytes; 0 = unlimited
+  int numa_node = -1;        // NUMA node for host-tier memory; -1 = no binding
+  bool pin_host = false;     // cudaHostRegister large host blocks (CUDA builds only)
+};
+
+class MemoryManager {
+ public:
+  explicit MemoryManager(const MemoryConfig& config);
+  ~MemoryManager();
+  MemoryManager(const MemoryManager&) = delete;
+  MemoryManager& operator=(const MemoryManager&) = delete;
+
+  // Returns a block of at least nbytes (64-byte aligned) in `tier`, from the cache when a
+  // fitting block is free. nbytes == 0 returns nullptr and changes no statistic.
+  // Throws OutOfTierMemory when the tier's budget cannot hold it after empty_cache().
+  void* allocate(size_t nbytes, Tier tier);
+  // Returns a block from allocate() to its tier's cache. nullptr is ignored. Never throws;
+  // a pointer this manager does not own is reported to stderr and ignored.
+  void free(void* ptr) noexcept;
+
+  // Accounts nbytes of memory that some other allocator owns (e.g. an output a forwarded
+  // kernel allocated) as in use in `tier`. Throws OutOfTierMemory (state unchanged) when the
+  // budget cannot hold it after releasing the cache.
+  void account_external(Tier tier, size_t nbytes);
+  void release_external(Tier tier, size_t nbytes) noexcept;
+
+  // Tier of a pointer returned by allocate(), nullopt for any other pointer.
+  std::optional<Tier> tier_of(const void* ptr) const noexcept;
+  // Usable size of a block returned by allocate() (>= the request); 0 if not ours.
+  size_t block_size(const void* ptr) const noexcept;
+
+  // Copies nbytes between any two pointers this device can address (either tier, or
+  // plain host memory). Synchronous. With CUDA it goes through cudaMemcpy.
+  void copy(void* dst, const void* src, size_t nbytes) const;
+
+  TierStats stats(Tier tier) const noexcept;
+  // Returns every cached (free) block of both tiers to its backing.
+  void empty_cache() noexcept;
+  void reset_peak() noexcept;         // peaks := current values
+  void reset_accumulated() noexcept;  // num_allocs, num_frees, num_cache_hits, num_ooms := 0
+  // Changes a tier's budget. Throws std::invalid_argument if below the bytes in use.
+  void set_capacity(Tier tier, size_t capacity_bytes);
+
+  const MemoryConfig& config() const noexcept;
+
+  // Debug walker: checks the invariants above and the block lists; throws std::logic_error
+  // naming the first violated invariant. Each tier is checked under its lock; the check that
+  // no block is in both tiers is exact only while no other thread allocates or frees.
+  void check_invariants() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Human-readable byte count ("1.50 GiB"), used in error messages.
+std::string format_bytes(size_t nbytes);
+
+}  // namespace superchip

@@ -1,0 +1,164 @@
+#include "backend/native/Native.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+
+#include "backend/native/Forward.h"
+#include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
+
+namespace superchip::native {
+namespace {
+
+c10::DeviceIndex device_of(std::optional<c10::Device> device) {
+  if (!device.has_value()) return current_device();
+  TORCH_CHECK(device->type() == c10::DeviceType::PrivateUse1,
+              "superchip factory called with device ", *device);
+  return resolve_device(device->index());
+}
+
+void check_factory_args(std::optional<c10::Layout> layout, std::optional<bool> pin_memory) {
+  TORCH_CHECK(!layout.has_value() || *layout == c10::Layout::Strided,
+              "superchip tensors support layout=torch.strided only, got ", *layout, ".");
+  TORCH_CHECK(!pin_memory.value_or(false),
+              "pin_memory=True applies to CPU tensors only; superchip tensors are device memory.");
+}
+
+// Makes the storage of `impl` large enough for its sizes, strides and offset.
+void ensure_storage_bytes(c10::TensorImpl* impl) {
+  if (impl->numel() == 0) return;
+  const size_t needed = at::detail::computeStorageNbytes(impl->sizes(), impl->strides(),
+                                                         impl->dtype().itemsize(),
+                                                         impl->storage_offset());
+  const c10::Storage& storage = impl->unsafe_storage();
+  if (needed > storage.nbytes()) resize_storage_bytes(*storage.unsafeGetStorageImpl(), needed);
+}
+
+bool is_superchip(const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; }
+
+bool is_executor_or_cpu(const at::Tensor& t) {
+  return t.device().is_cpu() || t.device().type() == executor_device_type();
+}
+
+}  // namespace
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                               std::optional<bool> pin_memory,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  check_factory_args(layout, pin_memory);
+  const c10::DeviceIndex index = device_of(device);
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, index));
+  return at::detail::empty_generic(size, &superchip_allocator(),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                         std::optional<c10::Device> device, std::optional<bool> pin_memory) {
+  check_factory_args(layout, pin_memory);
+  const c10::DeviceIndex index = device_of(device);
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, index));
+  return at::detail::empty_strided_generic(size, stride, &superchip_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  at::native::resize_impl_cpu_(impl, size, /*stride=*/std::nullopt, /*resize_storage=*/false);
+  if (memory_format.has_value()) {
+    TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve,
+                "Unsupported memory format ", *memory_format, " for resize_.");
+    impl->empty_tensor_restride(*memory_format);
+  }
+  ensure_storage_bytes(impl);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
+                        c10::IntArrayRef size, c10::IntArrayRef stride) {
+  at::native::checkSetStorage(self, std::move(source), storage_offset, size, stride);
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_offset(storage_offset);
+  at::OptionalIntArrayRef st = stride.data() != nullptr ? at::OptionalIntArrayRef(stride) : std::nullopt;
+  at::native::resize_impl_cpu_(impl, size, st, /*resize_storage=*/false);
+  ensure_storage_bytes(impl);
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  const int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.unsafeGetTensorImpl() == source.unsafeGetTensorImpl()) return self;
+  return set_storage(self, source.storage(), source.storage_offset(), source.sizes(), source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0,
+                     allocate_in_tier(0, Tier::kHbm, self.device().index()), &superchip_allocator(),
+                     /*resizable=*/true);
+  return set_storage(self, std::move(empty), 0, {0}, {});
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  TORCH_CHECK(is_superchip(self) || is_executor_or_cpu(self),
+              "copy between superchip and ", self.device(), " is not supported; go through the cpu.");
+  TORCH_CHECK(is_superchip(dst) || is_executor_or_cpu(dst),
+              "copy between superchip and ", dst.device(), " is not supported; go through the cpu.");
+  at::Tensor src_x = is_superchip(self) ? executor_alias(self) : self;
+  at::Tensor dst_x = is_superchip(dst) ? executor_alias(dst) : dst;
+  const bool crosses_link = executor() == Executor::kCuda && src_x.device() != dst_x.device();
+  if (crosses_link && src_x.scalar_type() != dst_x.scalar_type()) {
+    // Cast-then-move, fixed rule until the link-cost model lands: the narrower dtype is the
+    // one that crosses the link, so the cast runs on the side that holds the wider one.
+    if (dst_x.element_size() < src_x.element_size()) {
+      dst_x.copy_(src_x.to(dst_x.scalar_type()), /*non_blocking=*/false);
+    } else {
+      at::Tensor staged = at::empty(src_x.sizes(), src_x.options().device(dst_x.device()));
+      staged.copy_(src_x, /*non_blocking=*/false);
+      dst_x.copy_(staged, /*non_blocking=*/false);
+    }
+    return dst;
+  }
+  dst_x.copy_(src_x, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (is_superchip(dst)) {
+    resize_(dst, self.sizes(), std::nullopt);
+  } else {
+    dst.resize_(self.sizes());
+  }
+  return copy_from(self, dst, /*non_blocking=*/false);
+}
+
+c10::Scalar local_scalar_dense(const at::Tensor& self) {
+  return at::_local_scalar_dense(executor_alias(self));
+}
+
+}  // namespace superchip::native

@@ -1,0 +1,100 @@
+// superchip._C: the Python entry points. Thin: argument conversion and calls into runtime/.
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <string>
+
+#include "allocator/Topology.h"
+#include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
+#include "backend/runtime/SuperchipGenerator.h"
+
+namespace py = pybind11;
+
+namespace superchip {
+namespace {
+
+Tier tier_arg(const std::string& name) {
+  auto t = parse_tier(name);
+  TORCH_CHECK(t.has_value(), "tier must be 'hbm' or 'host', got '", name, "'.");
+  return *t;
+}
+
+void check_superchip(const at::Tensor& t, const char* fn) {
+  TORCH_CHECK(t.defined(), fn, ": expected a tensor, got an undefined one.");
+  TORCH_CHECK(t.device().type() == c10::DeviceType::PrivateUse1, fn,
+              ": expected a superchip tensor, got one on ", t.device(),
+              ". Move it with .to('superchip') first.");
+}
+
+py::dict memory_stats(c10::DeviceIndex device) {
+  MemoryManager& m = memory(resolve_device(device));
+  py::dict d;
+  for (Tier tier : {Tier::kHbm, Tier::kHost}) {
+    const TierStats s = m.stats(tier);
+    const std::string p = std::string(tier_name(tier)) + ".";
+    d[py::str(p + "allocated_bytes")] = s.allocated_bytes;
+    d[py::str(p + "requested_bytes")] = s.requested_bytes;
+    d[py::str(p + "reserved_bytes")] = s.reserved_bytes;
+    d[py::str(p + "peak_allocated_bytes")] = s.peak_allocated_bytes;
+    d[py::str(p + "peak_reserved_bytes")] = s.peak_reserved_bytes;
+    d[py::str(p + "capacity_bytes")] = s.capacity_bytes;
+    d[py::str(p + "external_bytes")] = s.external_bytes;
+    d[py::str(p + "active_allocations")] = s.active_allocations;
+    d[py::str(p + "num_allocs")] = s.num_allocs;
+    d[py::str(p + "num_frees")] = s.num_frees;
+    d[py::str(p + "num_cache_hits")] = s.num_cache_hits;
+    d[py::str(p + "num_ooms")] = s.num_ooms;
+  }
+  return d;
+}
+
+}  // namespace
+}  // namespace superchip
+
+PYBIND11_MODULE(_C, m) {
+  using namespace superchip;
+  m.doc() = "superchip native module (see superchip/__init__.py for the public API)";
+  m.def("_executor", [] { return std::string(executor_name(executor())); });
+  m.def("_device_count", [] { return static_cast<int>(device_count()); });
+  m.def("_current_device", [] { return static_cast<int>(current_device()); });
+  m.def("_set_device", [](int i) { set_current_device(static_cast<c10::DeviceIndex>(i)); });
+  m.def("_memory_stats", [](int device) { return memory_stats(static_cast<c10::DeviceIndex>(device)); });
+  m.def("_empty_cache", [] { superchip_allocator().emptyCache(); });
+  m.def("_reset_peak_memory_stats", [](int device) {
+    memory(resolve_device(static_cast<c10::DeviceIndex>(device))).reset_peak();
+  });
+  m.def("_set_capacity", [](int device, const std::string& tier, int64_t bytes) {
+    TORCH_CHECK(bytes >= 0, "capacity must be >= 0 bytes (0 = unlimited), got ", bytes, ".");
+    try {
+      memory(resolve_device(static_cast<c10::DeviceIndex>(device)))
+          .set_capacity(tier_arg(tier), static_cast<size_t>(bytes));
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, e.what());
+    }
+  });
+  m.def("_check_invariants", [](int device) {
+    memory(resolve_device(static_cast<c10::DeviceIndex>(device))).check_invariants();
+  });
+  m.def("_tier_of", [](const at::Tensor& t) {
+    check_superchip(t, "superchip.tier_of");
+    return std::string(tier_name(storage_tier(*t.storage().unsafeGetStorageImpl())));
+  });
+  m.def("_move_to_tier", [](const at::Tensor& t, const std::string& tier) {
+    check_superchip(t, "superchip.move_to_tier");
+    const Tier target = tier_arg(tier);
+    py::gil_scoped_release no_gil;
+    move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+  });
+  m.def("_default_generator", [](int device) {
+    return default_generator(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_synchronize", [](int device) {
+    const auto index = resolve_device(static_cast<c10::DeviceIndex>(device));
+    py::gil_scoped_release no_gil;
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->synchronizeDevice(index);
+  });
+  m.def("_topology", [] { return Topology::get().describe(); });
+}

@@ -1,0 +1,36 @@
+// torch.amp.autocast("superchip"): the same per-op policies as CUDA, from ATen's shared lists.
+#include <ATen/Functions.h>
+#include <ATen/autocast_mode.h>
+#include <torch/library.h>
+
+#ifndef ADD_NS
+#define ADD_NS(RAW_OP) at::RAW_OP
+#endif
+
+namespace {
+
+using at::Scalar;
+using at::ScalarType;
+using at::Tensor;
+using at::IntArrayRef;
+using at::TensorList;
+using at::autocast::CastPolicy;
+
+#define SUPERCHIP_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define SUPERCHIP_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define SUPERCHIP_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define SUPERCHIP_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+#define SUPERCHIP_DIFFERENT_REDISPATCH(REDISPATCH_FUNC, REGISTER_NAME, REGISTER_SIGNATURE, \
+                                       REDISPATCH_SIGNATURE, POLICY)                        \
+  KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE(REDISPATCH_FUNC, REGISTER_NAME,       \
+                                                      REGISTER_SIGNATURE, REDISPATCH_SIGNATURE, POLICY)
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(SUPERCHIP_LOWER_PRECISION_FP)
+  AT_FORALL_FP32(SUPERCHIP_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(SUPERCHIP_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(SUPERCHIP_DIFFERENT_REDISPATCH)
+  AT_FORALL_PROMOTE(SUPERCHIP_PROMOTE)
+}
+
+}  // namespace

@@ -1,0 +1,184 @@
+#include "backend/runtime/Runtime.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+
+#include "allocator/Topology.h"
+
+namespace superchip {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : std::string(fallback);
+}
+
+bool cuda_usable() noexcept {
+#ifdef SUPERCHIP_HAVE_CUDA
+  try {
+    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return false;
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount() > 0;
+  } catch (...) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+
+Executor choose_executor() {
+  const std::string want = env_or("SUPERCHIP_EXECUTOR", "");
+  if (want.empty()) return cuda_usable() ? Executor::kCuda : Executor::kCpu;
+  if (want == "cpu") return Executor::kCpu;
+  TORCH_CHECK(want == "cuda", "SUPERCHIP_EXECUTOR must be 'cpu' or 'cuda', got '", want,
+              "'. Unset it to let superchip choose.");
+#ifndef SUPERCHIP_HAVE_CUDA
+  TORCH_CHECK(false, "SUPERCHIP_EXECUTOR=cuda, but this superchip build has no CUDA support "
+              "(no CUDA toolkit at build time). Rebuild with the toolkit or use SUPERCHIP_EXECUTOR=cpu.");
+#endif
+  TORCH_CHECK(cuda_usable(), "SUPERCHIP_EXECUTOR=cuda, but torch reports no usable CUDA GPU "
+              "(torch ", "built without CUDA or no device visible). Use SUPERCHIP_EXECUTOR=cpu.");
+  return Executor::kCuda;
+}
+
+thread_local c10::DeviceIndex tls_current_device = 0;
+
+std::mutex managers_mutex;
+std::array<std::atomic<MemoryManager*>, kMaxDevices> managers{};
+
+size_t default_hbm_budget() {
+  // Emulated HBM: a quarter of physical memory, at most 16 GiB, so the host tier keeps room.
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  const size_t phys = (pages > 0 && page > 0) ? size_t(pages) * size_t(page) : (size_t(8) << 30);
+  return std::min(phys / 4, size_t(16) << 30);
+}
+
+}  // namespace
+
+Executor executor() {
+  static const Executor e = choose_executor();
+  return e;
+}
+
+const char* executor_name(Executor e) noexcept { return e == Executor::kCuda ? "cuda" : "cpu"; }
+
+c10::DeviceType executor_device_type() {
+  return executor() == Executor::kCuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+}
+
+c10::Device executor_device(c10::DeviceIndex index) {
+  if (executor() == Executor::kCuda) return c10::Device(c10::DeviceType::CUDA, index);
+  return c10::Device(c10::DeviceType::CPU);
+}
+
+c10::DeviceIndex device_count() noexcept {
+  static const c10::DeviceIndex count = []() -> c10::DeviceIndex {
+    try {
+      if (executor() == Executor::kCuda) {
+        return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount();
+      }
+      const std::string n = env_or("SUPERCHIP_DEVICE_COUNT", "1");
+      const long v = std::strtol(n.c_str(), nullptr, 10);
+      return static_cast<c10::DeviceIndex>(std::max(1L, std::min<long>(v, kMaxDevices)));
+    } catch (...) {
+      return 0;
+    }
+  }();
+  return count;
+}
+
+void check_device_index(c10::DeviceIndex index) {
+  TORCH_CHECK(index >= 0 && index < device_count(), "superchip device index ", int(index),
+              " is out of range: this process has ", int(device_count()),
+              " superchip device(s) (indices 0..", int(device_count()) - 1, ").");
+}
+
+c10::DeviceIndex current_device() {
+  if (executor() == Executor::kCuda) {
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
+  }
+  return tls_current_device;
+}
+
+void set_current_device(c10::DeviceIndex index) {
+  check_device_index(index);
+  if (executor() == Executor::kCuda) {
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->setDevice(c10::Device(c10::DeviceType::CUDA, index));
+    return;
+  }
+  tls_current_device = index;
+}
+
+c10::DeviceIndex resolve_device(c10::DeviceIndex index) {
+  if (index < 0) return current_device();
+  check_device_index(index);
+  return index;
+}
+
+size_t parse_bytes(const std::string& text, const char* what) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  double scale = 1;
+  std::string suffix(end ? end : "");
+  while (!suffix.empty() && std::isspace(static_cast<unsigned char>(suffix.back()))) suffix.pop_back();
+  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b') && suffix.size() > 1) suffix.pop_back();
+  if (suffix.size() == 2 && (suffix[1] == 'i' || suffix[1] == 'I')) suffix.pop_back();
+  if (suffix.size() == 1) {
+    switch (std::toupper(static_cast<unsigned char>(suffix[0]))) {
+      case 'K': scale = 1024.0; break;
+      case 'M': scale = 1024.0 * 1024; break;
+      case 'G': scale = 1024.0 * 1024 * 1024; break;
+      case 'T': scale = 1024.0 * 1024 * 1024 * 1024; break;
+      default: scale = -1;
+    }
+  } else if (!suffix.empty()) {
+    scale = -1;
+  }
+  TORCH_CHECK(end != text.c_str() && scale > 0 && v >= 0 && std::isfinite(v), what,
+              " must be a byte count such as 1073741824, 512M or 8G; got '", text, "'.");
+  return static_cast<size_t>(v * scale);
+}
+
+MemoryManager* memory_if_created(c10::DeviceIndex index) noexcept {
+  if (index < 0 || index >= kMaxDevices) return nullptr;
+  return managers[index].load(std::memory_order_acquire);
+}
+
+MemoryManager& memory(c10::DeviceIndex index) {
+  if (MemoryManager* m = memory_if_created(index)) return *m;
+  check_device_index(index);
+  std::lock_guard<std::mutex> lock(managers_mutex);
+  if (MemoryManager* m = managers[index].load(std::memory_order_acquire)) return *m;
+  MemoryConfig cfg;
+  cfg.device_index = index;
+  cfg.cuda = executor() == Executor::kCuda;
+  const std::string hbm = env_or("SUPERCHIP_HBM_BYTES", "");
+  cfg.hbm_capacity = hbm.empty() ? (cfg.cuda ? 0 : default_hbm_budget())
+                                 : parse_bytes(hbm, "SUPERCHIP_HBM_BYTES");
+  const std::string host = env_or("SUPERCHIP_HOST_BYTES", "");
+  cfg.host_capacity = host.empty() ? 0 : parse_bytes(host, "SUPERCHIP_HOST_BYTES");
+  const Topology& topo = Topology::get();
+  cfg.numa_node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(cfg.cuda ? index : -1))].os_index;
+  cfg.pin_host = cfg.cuda;
+  // Intentionally leaked: tensors may be freed during interpreter teardown, after static
+  // destructors would have run.
+  auto* m = new MemoryManager(cfg);
+  managers[index].store(m, std::memory_order_release);
+  return *m;
+}
+
+}  // namespace superchip

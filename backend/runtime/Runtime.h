@@ -1,0 +1,46 @@
+// Runtime: process-wide state of the superchip devices: which executor runs the kernels,
+// how many devices there are, the current device of each thread, and each device's
+// two-tier MemoryManager (created on first use from SUPERCHIP_* environment variables).
+// Thread-safety: executor()/device_count() are fixed after the first call; memory() creates
+// managers under a mutex and never moves them; the current device is thread-local.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
+
+#include <string>
+
+#include "allocator/MemoryManager.h"
+
+namespace superchip {
+
+enum class Executor { kCpu, kCuda };
+
+// kCuda when SUPERCHIP_EXECUTOR=cuda, or when it is unset and this build has CUDA, torch has
+// CUDA and a GPU is visible; kCpu otherwise. A request that cannot be met raises, saying why.
+Executor executor();
+const char* executor_name(Executor e) noexcept;
+// The device type forwarded kernels run on (kCPU or kCUDA) and the device of superchip:index.
+c10::DeviceType executor_device_type();
+c10::Device executor_device(c10::DeviceIndex index);
+
+// Number of superchip devices: the CUDA device count with the CUDA executor, otherwise
+// SUPERCHIP_DEVICE_COUNT (default 1). Never throws (0 on error).
+c10::DeviceIndex device_count() noexcept;
+c10::DeviceIndex current_device();
+void set_current_device(c10::DeviceIndex index);
+// Raises a user error naming the index and the count when the index is out of range.
+void check_device_index(c10::DeviceIndex index);
+// index, or the current device when index < 0.
+c10::DeviceIndex resolve_device(c10::DeviceIndex index);
+
+// The two-tier memory of superchip:index (created on first use). Budgets come from
+// SUPERCHIP_HBM_BYTES / SUPERCHIP_HOST_BYTES (integers with an optional K/M/G/T suffix).
+MemoryManager& memory(c10::DeviceIndex index);
+// The managers created so far (nullptr for devices not used yet); index < device_count().
+MemoryManager* memory_if_created(c10::DeviceIndex index) noexcept;
+
+// Parses "123", "64M", "8G", "1.5G" (binary units). Raises a user error naming `what`.
+size_t parse_bytes(const std::string& text, const char* what);
+
+}  // namespace superchip

@@ -1,0 +1,208 @@
+#include "backend/runtime/SuperchipAllocator.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+#include "backend/runtime/Runtime.h"
+
+namespace superchip {
+namespace {
+
+// ---- block DataPtrs: context == data, owned by one device's MemoryManager ----
+
+MemoryManager* owner_of(const void* ptr) noexcept {
+  for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+    MemoryManager* m = memory_if_created(i);
+    if (m && m->tier_of(ptr).has_value()) return m;
+  }
+  return nullptr;
+}
+
+void block_delete(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  if (MemoryManager* m = owner_of(ptr)) {
+    m->free(ptr);
+  } else {
+    std::fprintf(stderr, "superchip: internal error: freeing %p, which no device owns\n", ptr);
+  }
+}
+
+// ---- adopted DataPtrs: an executor kernel's output, accounted as external hbm bytes ----
+
+struct AdoptedBlock {
+  c10::Storage executor_storage;  // keeps the executor's memory alive
+  MemoryManager* memory;
+  size_t nbytes;
+};
+
+void adopted_delete(void* ctx) noexcept {
+  auto* a = static_cast<AdoptedBlock*>(ctx);
+  a->memory->release_external(Tier::kHbm, a->nbytes);
+  delete a;
+}
+
+c10::CachingDeviceAllocator::DeviceStats to_device_stats(const TierStats& t) {
+  using c10::CachingAllocator::StatType;
+  c10::CachingDeviceAllocator::DeviceStats s;
+  const auto agg = static_cast<size_t>(StatType::AGGREGATE);
+  auto fill = [](c10::CachingAllocator::Stat& st, int64_t current, int64_t peak) {
+    st.current = current;
+    st.peak = peak;
+  };
+  fill(s.allocated_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
+  fill(s.active_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
+  fill(s.reserved_bytes[agg], t.reserved_bytes, t.peak_reserved_bytes);
+  fill(s.requested_bytes[agg], t.requested_bytes, t.requested_bytes);
+  fill(s.allocation[agg], t.active_allocations, t.active_allocations);
+  fill(s.active[agg], t.active_allocations, t.active_allocations);
+  s.allocation[agg].allocated = t.num_allocs;
+  s.allocation[agg].freed = t.num_frees;
+  s.num_ooms = t.num_ooms;
+  return s;
+}
+
+// ---- pinned host memory for CPU tensors (pin_memory=True) ----
+
+MemoryManager& pinned_memory() {
+  static MemoryManager* m = [] {
+    MemoryConfig cfg;
+    cfg.cuda = false;
+    cfg.pin_host = executor() == Executor::kCuda;
+    return new MemoryManager(cfg);  // leaked on purpose: outlives every tensor
+  }();
+  return *m;
+}
+
+void pinned_delete(void* ptr) noexcept { pinned_memory().free(ptr); }
+
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* p = nullptr;
+    try {
+      p = pinned_memory().allocate(nbytes, Tier::kHost);
+    } catch (const OutOfTierMemory& e) {
+      rethrow_as_torch_oom(e);
+    }
+    return {p, p, &pinned_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &pinned_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+}  // namespace
+
+[[noreturn]] void rethrow_as_torch_oom(const OutOfTierMemory& e) {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+}
+
+c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device) {
+  MemoryManager& m = memory(device);
+  void* p = nullptr;
+  try {
+    p = m.allocate(nbytes, tier);
+  } catch (const OutOfTierMemory& e) {
+    rethrow_as_torch_oom(e);
+  }
+  return {p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+}
+
+c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
+  MemoryManager& m = memory(device);
+  const size_t nbytes = executor_storage.nbytes();
+  try {
+    m.account_external(Tier::kHbm, nbytes);
+  } catch (const OutOfTierMemory& e) {
+    rethrow_as_torch_oom(e);
+  }
+  void* data = const_cast<void*>(executor_storage.data());
+  auto* ctx = new AdoptedBlock{executor_storage, &m, nbytes};
+  return {data, ctx, &adopted_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+}
+
+Tier storage_tier(const c10::StorageImpl& storage) {
+  const c10::DataPtr& dp = storage.data_ptr();
+  if (dp.get_deleter() == &block_delete) {
+    if (MemoryManager* m = owner_of(dp.get())) return m->tier_of(dp.get()).value_or(Tier::kHbm);
+  }
+  return Tier::kHbm;  // adopted memory and empty storages
+}
+
+void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
+  if (storage_tier(storage) == tier) return;
+  const c10::DeviceIndex device = storage.device().index();
+  const size_t nbytes = storage.nbytes();
+  c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet
+  if (nbytes > 0) memory(device).copy(fresh.get(), storage.data(), nbytes);
+  // The old DataPtr is released when `old` leaves scope, after the swap.
+  c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
+}
+
+void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
+  TORCH_CHECK(storage.resizable(), "Trying to resize a superchip storage that is not resizable.");
+  const c10::DeviceIndex device = storage.device().index();
+  const Tier tier = storage_tier(storage);
+  c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);
+  const size_t keep = std::min(nbytes, storage.nbytes());
+  if (keep > 0 && storage.data() != nullptr) memory(device).copy(fresh.get(), storage.data(), keep);
+  c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
+  storage.set_nbytes(nbytes);
+}
+
+// ---- SuperchipAllocator ----
+
+c10::DataPtr SuperchipAllocator::allocate(size_t nbytes) {
+  return allocate_in_tier(nbytes, Tier::kHbm, current_device());
+}
+
+c10::DeleterFnPtr SuperchipAllocator::raw_deleter() const { return &block_delete; }
+
+void SuperchipAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  memory(current_device()).copy(dest, src, count);
+}
+
+void SuperchipAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
+  for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+    if (MemoryManager* m = memory_if_created(i)) m->empty_cache();
+  }
+}
+
+void SuperchipAllocator::recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) {}
+
+c10::CachingDeviceAllocator::DeviceStats SuperchipAllocator::getDeviceStats(c10::DeviceIndex device) {
+  return to_device_stats(memory(resolve_device(device)).stats(Tier::kHbm));
+}
+
+void SuperchipAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  memory(resolve_device(device)).reset_accumulated();
+}
+
+void SuperchipAllocator::resetPeakStats(c10::DeviceIndex device) {
+  memory(resolve_device(device)).reset_peak();
+}
+
+std::pair<size_t, size_t> SuperchipAllocator::getMemoryInfo(c10::DeviceIndex device) {
+  const TierStats s = memory(resolve_device(device)).stats(Tier::kHbm);
+  const size_t total = static_cast<size_t>(s.capacity_bytes);
+  const size_t used = static_cast<size_t>(s.reserved_bytes);
+  return {total > used ? total - used : 0, total};
+}
+
+SuperchipAllocator& superchip_allocator() {
+  static SuperchipAllocator a;
+  return a;
+}
+
+c10::Allocator* pinned_allocator() {
+  static PinnedAllocator a;
+  return &a;
+}
+
+bool is_pinned_ptr(const void* ptr) { return pinned_memory().tier_of(ptr).has_value(); }
+
+}  // namespace superchip

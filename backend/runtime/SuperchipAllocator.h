@@ -1,0 +1,63 @@
+// SuperchipAllocator: the c10::DeviceAllocator of the superchip device. Every superchip
+// storage's DataPtr is one of two kinds, and its tier follows from the kind:
+//   block   - memory from the device's MemoryManager (context == data); tier from the manager;
+//   adopted - an output a forwarded executor kernel allocated itself; the context keeps the
+//             executor's storage alive and its bytes are accounted as external in `hbm`.
+// Deleters are noexcept and never take the GIL. Thread-safe.
+#pragma once
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Storage.h>
+
+#include "allocator/MemoryManager.h"
+
+namespace superchip {
+
+class SuperchipAllocator final : public c10::DeviceAllocator {
+ public:
+  // New storage memory goes to the `hbm` tier of the current device.
+  c10::DataPtr allocate(size_t nbytes) override;
+  c10::DeleterFnPtr raw_deleter() const override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
+  // Streams are ordered by the executor; memory is reused on the stream that freed it.
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override;
+  // Figures of the `hbm` tier, so torch.accelerator.memory_allocated() means what
+  // torch.cuda.memory_allocated() means; the host tier is in superchip.memory_stats().
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+  // (free, total) of the `hbm` tier budget.
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override;
+};
+
+SuperchipAllocator& superchip_allocator();
+
+// A block of `tier` on `device`, as a DataPtr of device superchip:device.
+c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device);
+
+// Wraps the memory of an executor storage as a superchip DataPtr on `device`, accounted in
+// `hbm`. Raises torch.OutOfMemoryError when the budget cannot hold it.
+c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device);
+
+// Tier of a superchip storage (an empty storage reports hbm, where it would allocate).
+Tier storage_tier(const c10::StorageImpl& storage);
+
+// Replaces the bytes of `storage` in place by a copy in `tier` (no-op when already there).
+// Every tensor and view over the storage follows. Strong guarantee: on error nothing changed.
+void move_storage_to_tier(c10::StorageImpl& storage, Tier tier);
+
+// Grows or shrinks a superchip storage to nbytes, keeping its tier and its leading bytes.
+void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes);
+
+// Turns a MemoryManager OutOfTierMemory into torch.OutOfMemoryError (same message).
+[[noreturn]] void rethrow_as_torch_oom(const OutOfTierMemory& e);
+
+// The allocator behind pin_memory=True when superchip is the accelerator: host memory
+// (cudaHostRegister'ed with the CUDA executor) with DataPtrs of device cpu.
+c10::Allocator* pinned_allocator();
+bool is_pinned_ptr(const void* ptr);
+
+}  // namespace superchip

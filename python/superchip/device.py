@@ -1,0 +1,131 @@
+"""The device module registered as ``torch.superchip`` (what torch asks of a PrivateUse1 device)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+def _index(device=None) -> int:
+    """Device index from None / int / "superchip:1" / torch.device; -1 means the current one."""
+    if device is None:
+        return -1
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "superchip":
+        raise ValueError(f"expected a superchip device, got {device}")
+    return -1 if device.index is None else device.index
+
+
+def is_available() -> bool:
+    return _C._device_count() > 0
+
+
+def device_count() -> int:
+    return _C._device_count()
+
+
+def current_device() -> int:
+    return _C._current_device()
+
+
+def set_device(device) -> None:
+    idx = _index(device)
+    if idx >= 0:
+        _C._set_device(idx)
+
+
+class device:  # noqa: N801  (mirrors torch.cuda.device)
+    """Context manager that makes ``device`` the current superchip device."""
+
+    def __init__(self, device):
+        self.idx = _index(device)
+        self.prev = -1
+
+    def __enter__(self):
+        self.prev = current_device()
+        if self.idx >= 0:
+            _C._set_device(self.idx)
+
+    def __exit__(self, *exc):
+        _C._set_device(self.prev)
+        return False
+
+
+def synchronize(device=None) -> None:
+    _C._synchronize(_index(device))
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _generator(device=None) -> torch.Generator:
+    idx = _index(device)
+    return _C._default_generator(current_device() if idx < 0 else idx)
+
+
+def get_rng_state(device="superchip") -> torch.Tensor:
+    return _generator(device).get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device="superchip") -> None:
+    _generator(device).set_state(new_state)
+
+
+def get_rng_state_all() -> list:
+    return [_C._default_generator(i).get_state() for i in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for i, state in enumerate(new_states):
+        _C._default_generator(i).set_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    _generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    for i in range(device_count()):
+        _C._default_generator(i).manual_seed(int(seed))
+
+
+def seed() -> None:
+    _generator().seed()
+
+
+def seed_all() -> None:
+    s = _generator().seed()
+    for i in range(device_count()):
+        _C._default_generator(i).manual_seed(s)
+
+
+def initial_seed() -> int:
+    return _generator().initial_seed()
+
+
+def get_amp_supported_dtype() -> list:
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported() -> bool:
+    return True
+
+
+def memory_allocated(device=None) -> int:
+    return _C._memory_stats(_index(device))["hbm.allocated_bytes"]
+
+
+def max_memory_allocated(device=None) -> int:
+    return _C._memory_stats(_index(device))["hbm.peak_allocated_bytes"]
+
+
+def memory_reserved(device=None) -> int:
+    return _C._memory_stats(_index(device))["hbm.reserved_bytes"]
+
+
+def empty_cache() -> None:
+    _C._empty_cache()

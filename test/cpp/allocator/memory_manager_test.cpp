@@ -1,0 +1,489 @@
+// Unit tests of MemoryManager / TierAllocator in emulated mode (both tiers are host memory).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "allocator/MemoryManager.h"
+#include "allocator/TierAllocator.h"
+#include "allocator/Topology.h"
+
+#ifdef SUPERCHIP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace superchip {
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+
+MemoryConfig emulated(size_t hbm_capacity = 0, size_t host_capacity = 0) {
+  MemoryConfig config;
+  config.hbm_capacity = hbm_capacity;
+  config.host_capacity = host_capacity;
+  return config;
+}
+
+void expect_idle(const TierStats& s) {
+  EXPECT_EQ(s.allocated_bytes, 0);
+  EXPECT_EQ(s.requested_bytes, 0);
+  EXPECT_EQ(s.external_bytes, 0);
+  EXPECT_EQ(s.active_allocations, 0);
+}
+
+// Every field, so that "state unchanged" means unchanged.
+void expect_same_stats(const TierStats& a, const TierStats& b) {
+  EXPECT_EQ(a.allocated_bytes, b.allocated_bytes);
+  EXPECT_EQ(a.requested_bytes, b.requested_bytes);
+  EXPECT_EQ(a.reserved_bytes, b.reserved_bytes);
+  EXPECT_EQ(a.peak_allocated_bytes, b.peak_allocated_bytes);
+  EXPECT_EQ(a.peak_reserved_bytes, b.peak_reserved_bytes);
+  EXPECT_EQ(a.capacity_bytes, b.capacity_bytes);
+  EXPECT_EQ(a.external_bytes, b.external_bytes);
+  EXPECT_EQ(a.active_allocations, b.active_allocations);
+  EXPECT_EQ(a.num_allocs, b.num_allocs);
+  EXPECT_EQ(a.num_frees, b.num_frees);
+  EXPECT_EQ(a.num_cache_hits, b.num_cache_hits);
+  EXPECT_EQ(a.num_ooms, b.num_ooms);
+}
+
+// ---- names ----
+
+TEST(MemoryNames, TierNamesRoundTrip) {
+  EXPECT_STREQ(tier_name(Tier::kHbm), "hbm");
+  EXPECT_STREQ(tier_name(Tier::kHost), "host");
+  EXPECT_EQ(parse_tier("hbm"), Tier::kHbm);
+  EXPECT_EQ(parse_tier("host"), Tier::kHost);
+  EXPECT_EQ(parse_tier("HBM"), std::nullopt);
+  EXPECT_EQ(parse_tier(""), std::nullopt);
+}
+
+TEST(MemoryNames, FormatBytes) {
+  EXPECT_EQ(format_bytes(0), "0 B");
+  EXPECT_EQ(format_bytes(1023), "1023 B");
+  EXPECT_EQ(format_bytes(1024), "1.00 KiB");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(3 * kMiB), "3.00 MiB");
+  EXPECT_EQ(format_bytes(size_t{3} << 29), "1.50 GiB");
+  EXPECT_EQ(format_bytes(size_t{1} << 40), "1.00 TiB");
+}
+
+// ---- sizes ----
+
+TEST(MemoryManager, ZeroSizeReturnsNullAndChangesNothing) {
+  MemoryManager mm(emulated());
+  for (Tier tier : {Tier::kHbm, Tier::kHost}) {
+    const TierStats before = mm.stats(tier);
+    EXPECT_EQ(mm.allocate(0, tier), nullptr);
+    expect_same_stats(mm.stats(tier), before);
+    mm.account_external(tier, 0);
+    mm.release_external(tier, 0);
+    expect_same_stats(mm.stats(tier), before);
+  }
+  mm.free(nullptr);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, RoundingFollowsTheDocumentedEquation) {
+  const std::vector<std::pair<size_t, size_t>> cases = {
+      {1, 512},
+      {511, 512},
+      {512, 512},
+      {513, 1024},
+      {kMiB - 1, kMiB},
+      {kMiB, kMiB},
+      {kMiB + 1, kMiB + 128 * kKiB},
+      {3 * kMiB + 5, 3 * kMiB + 128 * kKiB},
+  };
+  MemoryManager mm(emulated());
+  for (const auto& [request, expected] : cases) {
+    EXPECT_EQ(TierAllocator::round_size(request), expected) << "request " << request;
+    EXPECT_EQ(TierAllocator::round_size(expected), expected) << "idempotent at " << expected;
+    void* p = mm.allocate(request, Tier::kHbm);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+    EXPECT_EQ(mm.block_size(p), expected);
+    EXPECT_EQ(mm.stats(Tier::kHbm).allocated_bytes, int64_t(expected));
+    EXPECT_EQ(mm.stats(Tier::kHbm).requested_bytes, int64_t(request));
+    std::memset(p, 0xab, mm.block_size(p));  // the whole block is usable
+    mm.free(p);
+    mm.empty_cache();
+  }
+  mm.check_invariants();
+}
+
+// ---- caching ----
+
+TEST(MemoryManager, FreedBlockIsReusedAndCountedAsCacheHit) {
+  MemoryManager mm(emulated());
+  void* a = mm.allocate(1000, Tier::kHbm);
+  mm.free(a);
+  EXPECT_EQ(mm.stats(Tier::kHbm).num_cache_hits, 0);
+  void* b = mm.allocate(900, Tier::kHbm);  // same rounded size: 1024
+  EXPECT_EQ(b, a);
+  const TierStats s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.num_cache_hits, 1);
+  EXPECT_EQ(s.num_allocs, 2);
+  EXPECT_EQ(s.reserved_bytes, 1024);
+  EXPECT_EQ(s.requested_bytes, 900);
+  mm.free(b);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, CacheIsBestFitWithBoundedWaste) {
+  MemoryManager mm(emulated());
+  void* big = mm.allocate(4096, Tier::kHost);
+  void* mid = mm.allocate(2560, Tier::kHost);
+  mm.free(big);
+  mm.free(mid);
+  // 2048 rounds to 2048; cached 2560 <= 2048 + 512 fits, 4096 would too but is worse.
+  void* p = mm.allocate(2048, Tier::kHost);
+  EXPECT_EQ(p, mid);
+  EXPECT_EQ(mm.block_size(p), 2560u);
+  EXPECT_EQ(mm.stats(Tier::kHost).allocated_bytes, 2560);
+  // 512 may not pin down the cached 4096 block (4096 > 512 + 128): a new block is made.
+  void* q = mm.allocate(512, Tier::kHost);
+  EXPECT_NE(q, big);
+  EXPECT_EQ(mm.block_size(q), 512u);
+  EXPECT_EQ(mm.stats(Tier::kHost).num_cache_hits, 1);
+  EXPECT_EQ(mm.stats(Tier::kHost).reserved_bytes, 4096 + 2560 + 512);
+  mm.free(p);
+  mm.free(q);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, StatsReturnToZeroAfterFrees) {
+  MemoryManager mm(emulated());
+  std::vector<void*> blocks;
+  for (size_t i = 1; i <= 40; ++i) {
+    blocks.push_back(mm.allocate(i * 37 * kKiB, i % 2 == 0 ? Tier::kHbm : Tier::kHost));
+  }
+  mm.check_invariants();
+  EXPECT_EQ(mm.stats(Tier::kHbm).active_allocations, 20);
+  EXPECT_EQ(mm.stats(Tier::kHost).active_allocations, 20);
+  for (void* p : blocks) mm.free(p);
+  for (Tier tier : {Tier::kHbm, Tier::kHost}) {
+    const TierStats s = mm.stats(tier);
+    expect_idle(s);
+    EXPECT_EQ(s.num_allocs, 20);
+    EXPECT_EQ(s.num_frees, 20);
+    EXPECT_GT(s.reserved_bytes, 0);  // cached until empty_cache
+  }
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, EmptyCacheDropsReservedToAllocated) {
+  MemoryManager mm(emulated());
+  void* keep = mm.allocate(3 * kMiB, Tier::kHbm);
+  void* drop = mm.allocate(5 * kMiB, Tier::kHbm);
+  void* host = mm.allocate(100, Tier::kHost);
+  mm.free(drop);
+  mm.free(host);
+  mm.account_external(Tier::kHbm, 1000);
+  EXPECT_GT(mm.stats(Tier::kHbm).reserved_bytes, mm.stats(Tier::kHbm).allocated_bytes);
+  mm.empty_cache();
+  for (Tier tier : {Tier::kHbm, Tier::kHost}) {
+    EXPECT_EQ(mm.stats(tier).reserved_bytes, mm.stats(tier).allocated_bytes);
+  }
+  EXPECT_EQ(mm.stats(Tier::kHbm).allocated_bytes, int64_t(3 * kMiB + 1000));
+  EXPECT_EQ(mm.stats(Tier::kHost).reserved_bytes, 0);
+  mm.free(keep);
+  mm.release_external(Tier::kHbm, 1000);
+  mm.empty_cache();
+  EXPECT_EQ(mm.stats(Tier::kHbm).reserved_bytes, 0);
+  mm.check_invariants();
+}
+
+// ---- peaks ----
+
+TEST(MemoryManager, PeakTrackingAndReset) {
+  MemoryManager mm(emulated());
+  void* a = mm.allocate(2 * kMiB, Tier::kHbm);
+  void* b = mm.allocate(3 * kMiB, Tier::kHbm);
+  mm.free(a);
+  TierStats s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.allocated_bytes, int64_t(3 * kMiB));
+  EXPECT_EQ(s.peak_allocated_bytes, int64_t(5 * kMiB));
+  EXPECT_EQ(s.peak_reserved_bytes, int64_t(5 * kMiB));
+  mm.reset_peak();
+  s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.peak_allocated_bytes, int64_t(3 * kMiB));
+  EXPECT_EQ(s.peak_reserved_bytes, int64_t(5 * kMiB));  // a is still cached
+  mm.free(b);
+  mm.empty_cache();
+  mm.reset_peak();
+  s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.peak_allocated_bytes, 0);
+  EXPECT_EQ(s.peak_reserved_bytes, 0);
+  mm.reset_accumulated();
+  s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.num_allocs, 0);
+  EXPECT_EQ(s.num_frees, 0);
+  EXPECT_EQ(s.num_cache_hits, 0);
+  EXPECT_EQ(s.num_ooms, 0);
+  mm.check_invariants();
+}
+
+// ---- budget ----
+
+TEST(MemoryManager, OutOfMemoryMessageAndUnchangedState) {
+  MemoryManager mm(emulated(8 * kMiB));
+  void* a = mm.allocate(6 * kMiB, Tier::kHbm);
+  const TierStats before = mm.stats(Tier::kHbm);
+  try {
+    mm.allocate(3 * kMiB, Tier::kHbm);
+    FAIL() << "expected OutOfTierMemory";
+  } catch (const OutOfTierMemory& e) {
+    EXPECT_EQ(e.tier(), Tier::kHbm);
+    EXPECT_EQ(e.requested(), 3 * kMiB);
+    EXPECT_EQ(std::string(e.what()),
+              "superchip: out of memory in tier 'hbm' of superchip:0: tried to allocate 3.00 MiB "
+              "(capacity 8.00 MiB, 6.00 MiB allocated by tensors, 0 B cached). Free tensors, call "
+              "superchip.empty_cache(), move tensors to the host tier with "
+              "superchip.move_to_tier(t, \"host\"), or raise SUPERCHIP_HBM_BYTES.");
+  }
+  TierStats after = mm.stats(Tier::kHbm);
+  EXPECT_EQ(after.num_ooms, 1);
+  after.num_ooms = 0;
+  expect_same_stats(after, before);
+  mm.check_invariants();
+  mm.free(a);
+}
+
+TEST(MemoryManager, HostOutOfMemoryNamesHostVariable) {
+  MemoryConfig config = emulated(0, 4 * kMiB);
+  config.device_index = 3;
+  MemoryManager mm(config);
+  void* a = mm.allocate(2 * kMiB, Tier::kHost);
+  void* cached = mm.allocate(1 * kMiB, Tier::kHost);
+  mm.free(cached);
+  try {
+    mm.allocate(3 * kMiB, Tier::kHost);
+    FAIL() << "expected OutOfTierMemory";
+  } catch (const OutOfTierMemory& e) {
+    EXPECT_EQ(e.tier(), Tier::kHost);
+    EXPECT_EQ(std::string(e.what()),
+              "superchip: out of memory in tier 'host' of superchip:3: tried to allocate 3.00 MiB "
+              "(capacity 4.00 MiB, 2.00 MiB allocated by tensors, 1.00 MiB cached). Free "
+              "tensors, call superchip.empty_cache(), or raise SUPERCHIP_HOST_BYTES.");
+  }
+  // The failed request did not drop the cache: the cached block is still reused.
+  EXPECT_EQ(mm.allocate(kMiB, Tier::kHost), cached);
+  EXPECT_EQ(mm.stats(Tier::kHost).num_cache_hits, 1);
+  mm.free(a);
+  mm.free(cached);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, MissReleasesCacheToFitBudget) {
+  MemoryManager mm(emulated(8 * kMiB));
+  void* a = mm.allocate(4 * kMiB, Tier::kHbm);
+  void* b = mm.allocate(2 * kMiB, Tier::kHbm);
+  void* c = mm.allocate(kKiB, Tier::kHbm);
+  mm.free(a);
+  mm.free(c);
+  // 5 MiB fits only once the cached 4 MiB block is gone; the small cached block stays.
+  void* d = mm.allocate(5 * kMiB, Tier::kHbm);
+  const TierStats s = mm.stats(Tier::kHbm);
+  EXPECT_EQ(s.allocated_bytes, int64_t(7 * kMiB));
+  EXPECT_EQ(s.reserved_bytes, int64_t(7 * kMiB + kKiB));
+  EXPECT_EQ(s.num_ooms, 0);
+  EXPECT_LE(s.peak_reserved_bytes, s.capacity_bytes);
+  mm.free(b);
+  mm.free(d);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, AllocationSucceedsAgainAfterFreeing) {
+  MemoryManager mm(emulated(4 * kMiB));
+  void* a = mm.allocate(3 * kMiB, Tier::kHbm);
+  EXPECT_THROW(mm.allocate(2 * kMiB, Tier::kHbm), OutOfTierMemory);
+  mm.free(a);
+  void* b = mm.allocate(2 * kMiB, Tier::kHbm);
+  EXPECT_NE(b, nullptr);
+  EXPECT_EQ(mm.stats(Tier::kHbm).reserved_bytes, int64_t(2 * kMiB));
+  mm.free(b);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, ExternalAccounting) {
+  MemoryManager mm(emulated(0, 10000));
+  mm.account_external(Tier::kHost, 3000);
+  mm.account_external(Tier::kHost, 5000);
+  TierStats s = mm.stats(Tier::kHost);
+  EXPECT_EQ(s.allocated_bytes, 8000);
+  EXPECT_EQ(s.requested_bytes, 8000);
+  EXPECT_EQ(s.reserved_bytes, 8000);
+  EXPECT_EQ(s.external_bytes, 8000);
+  EXPECT_EQ(s.active_allocations, 2);
+  EXPECT_EQ(s.num_allocs, 2);
+  EXPECT_EQ(s.peak_allocated_bytes, 8000);
+  EXPECT_THROW(mm.account_external(Tier::kHost, 3000), OutOfTierMemory);
+  EXPECT_EQ(mm.stats(Tier::kHost).external_bytes, 8000);
+  EXPECT_EQ(mm.stats(Tier::kHost).num_ooms, 1);
+  mm.check_invariants();
+  mm.release_external(Tier::kHost, 3000);
+  mm.release_external(Tier::kHost, 5000);
+  s = mm.stats(Tier::kHost);
+  expect_idle(s);
+  EXPECT_EQ(s.reserved_bytes, 0);
+  EXPECT_EQ(s.num_frees, 2);
+  EXPECT_EQ(mm.stats(Tier::kHbm).num_allocs, 0);
+  // Over-release is reported and clamped, never negative.
+  mm.account_external(Tier::kHost, 100);
+  mm.release_external(Tier::kHost, 500);
+  expect_idle(mm.stats(Tier::kHost));
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, SetCapacity) {
+  MemoryManager mm(emulated());
+  void* a = mm.allocate(2 * kMiB, Tier::kHbm);
+  void* b = mm.allocate(3 * kMiB, Tier::kHbm);
+  mm.free(b);
+  EXPECT_THROW(mm.set_capacity(Tier::kHbm, kMiB), std::invalid_argument);
+  EXPECT_EQ(mm.stats(Tier::kHbm).capacity_bytes, 0);
+  EXPECT_EQ(mm.stats(Tier::kHbm).reserved_bytes, int64_t(5 * kMiB));
+  // A budget between in-use and reserved drops the cache to fit.
+  mm.set_capacity(Tier::kHbm, 4 * kMiB);
+  EXPECT_EQ(mm.stats(Tier::kHbm).capacity_bytes, int64_t(4 * kMiB));
+  EXPECT_EQ(mm.stats(Tier::kHbm).reserved_bytes, int64_t(2 * kMiB));
+  EXPECT_THROW(mm.allocate(3 * kMiB, Tier::kHbm), OutOfTierMemory);
+  mm.set_capacity(Tier::kHbm, 0);  // unlimited
+  void* c = mm.allocate(3 * kMiB, Tier::kHbm);
+  mm.check_invariants();
+  mm.free(a);
+  mm.free(c);
+}
+
+// ---- pointers ----
+
+TEST(MemoryManager, ForeignPointers) {
+  MemoryManager mm(emulated());
+  int local = 0;
+  std::vector<char> heap(4096);
+  EXPECT_EQ(mm.tier_of(&local), std::nullopt);
+  EXPECT_EQ(mm.tier_of(heap.data()), std::nullopt);
+  EXPECT_EQ(mm.tier_of(nullptr), std::nullopt);
+  EXPECT_EQ(mm.block_size(&local), 0u);
+  EXPECT_EQ(mm.block_size(nullptr), 0u);
+  void* h = mm.allocate(100, Tier::kHbm);
+  void* p = mm.allocate(100, Tier::kHost);
+  EXPECT_EQ(mm.tier_of(h), Tier::kHbm);
+  EXPECT_EQ(mm.tier_of(p), Tier::kHost);
+  EXPECT_EQ(mm.tier_of(static_cast<char*>(h) + 1), std::nullopt);  // interior: not a block
+  mm.free(&local);  // reported to stderr, ignored
+  mm.free(h);
+  EXPECT_EQ(mm.tier_of(h), std::nullopt);  // cached blocks are not live
+  EXPECT_EQ(mm.block_size(h), 0u);
+  mm.free(h);  // double free: reported, ignored, counted nowhere
+  EXPECT_EQ(mm.stats(Tier::kHbm).num_frees, 1);
+  mm.free(p);
+  mm.check_invariants();
+}
+
+// ---- host tier and copies ----
+
+TEST(MemoryManager, HostTierOnTopologyNumaNode) {
+  const Topology& topo = Topology::get();
+  MemoryConfig config = emulated();
+  config.numa_node = topo.nodes()[size_t(topo.nearest_node(""))].os_index;
+  MemoryManager mm(config);
+  for (size_t n : {size_t{100}, 64 * kKiB, 2 * kMiB, 9 * kMiB + 3}) {
+    auto* p = static_cast<unsigned char*>(mm.allocate(n, Tier::kHost));
+    ASSERT_NE(p, nullptr);
+    std::memset(p, 0x5a, n);
+    EXPECT_EQ(p[0], 0x5a);
+    EXPECT_EQ(p[n - 1], 0x5a);
+    mm.free(p);
+  }
+  mm.empty_cache();
+  EXPECT_EQ(mm.stats(Tier::kHost).reserved_bytes, 0);
+  mm.check_invariants();
+}
+
+TEST(MemoryManager, CopyBetweenTiers) {
+  MemoryManager mm(emulated());
+  for (size_t n : {size_t{1}, size_t{1000}, 3 * kMiB + 7}) {
+    std::vector<unsigned char> src(n);
+    std::iota(src.begin(), src.end(), static_cast<unsigned char>(n));
+    void* hbm = mm.allocate(n, Tier::kHbm);
+    void* host = mm.allocate(n, Tier::kHost);
+    mm.copy(hbm, src.data(), n);
+    mm.copy(host, hbm, n);
+    std::vector<unsigned char> back(n);
+    mm.copy(back.data(), host, n);
+    EXPECT_EQ(back, src) << "n=" << n;
+    mm.free(hbm);
+    mm.free(host);
+  }
+  mm.copy(nullptr, nullptr, 0);  // size zero touches nothing
+}
+
+TEST(MemoryManager, CudaConfigWithoutUsableCuda) {
+  MemoryConfig config = emulated();
+  config.cuda = true;
+#ifdef SUPERCHIP_HAVE_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    EXPECT_THROW(MemoryManager mm(config), std::runtime_error);
+    return;
+  }
+  config.device_index = count;  // one past the last device
+  EXPECT_THROW(MemoryManager mm(config), std::invalid_argument);
+#else
+  try {
+    MemoryManager mm(config);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA support"), std::string::npos) << e.what();
+  }
+#endif
+}
+
+#ifdef SUPERCHIP_HAVE_CUDA
+// Runs only where a GPU is visible: the cudaMalloc'd hbm tier and pinned host blocks.
+TEST(MemoryManager, CudaHbmTier) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    GTEST_SKIP() << "no CUDA device visible";
+  }
+  MemoryConfig config = emulated(64 * kMiB);
+  config.cuda = true;
+  config.pin_host = true;
+  MemoryManager mm(config);
+  const size_t n = 3 * kMiB;
+  std::vector<unsigned char> src(n, 7), back(n, 0);
+  void* d = mm.allocate(n, Tier::kHbm);
+  void* h = mm.allocate(n, Tier::kHost);
+  mm.copy(d, src.data(), n);
+  mm.copy(h, d, n);
+  mm.copy(back.data(), h, n);
+  EXPECT_EQ(back, src);
+  EXPECT_THROW(mm.allocate(128 * kMiB, Tier::kHbm), OutOfTierMemory);
+  mm.free(d);
+  mm.free(h);
+  mm.check_invariants();
+}
+#endif
+
+// pin_host asks for cudaHostRegister; without a GPU (or CUDA) it must still work, pageable.
+TEST(MemoryManager, PinHostWorksWithoutGpu) {
+  MemoryConfig config = emulated();
+  config.pin_host = true;
+  MemoryManager mm(config);
+  void* p = mm.allocate(2 * kMiB, Tier::kHost);
+  ASSERT_NE(p, nullptr);
+  std::memset(p, 1, 2 * kMiB);
+  mm.free(p);
+  mm.empty_cache();
+  mm.check_invariants();
+}
+
+}  // namespace
+}  // namespace superchip
