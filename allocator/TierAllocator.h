@@ -50,6 +50,7 @@ class TierAllocator {
   // cache, throws OutOfTierMemory without changing anything but num_ooms. If the backing
   // itself is out of memory, the whole cache is released and the backing asked once more;
   // if that also fails, OutOfTierMemory is thrown (the released cache stays released).
+  // Other backing failures (a CUDA error) propagate as std::runtime_error.
   void* allocate(size_t nbytes);
   // Returns ptr to the cache. False (and nothing changes) when ptr is not a live block here.
   bool free(void* ptr) noexcept;

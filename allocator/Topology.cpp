@@ -97,6 +97,11 @@ Topology::Topology() {
     } else {
       // PCI devices are filtered out by default; we need them to place a GPU.
       hwloc_topology_set_io_types_filter(h.topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+#if HWLOC_API_VERSION >= 0x00020100
+      // The linux backend reads PCI locality from sysfs; the libpciaccess-based "pci"
+      // plugin adds nothing we use and leaks at unload (LeakSanitizer flags it).
+      (void)hwloc_topology_set_components(h.topo, HWLOC_TOPOLOGY_COMPONENTS_FLAG_BLACKLIST, "pci");
+#endif
       if (hwloc_topology_load(h.topo) != 0) {
         fallback_reason_ = "hwloc_topology_load failed";
       } else {

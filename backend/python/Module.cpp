@@ -7,6 +7,7 @@
 #include <string>
 
 #include "allocator/Topology.h"
+#include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
@@ -57,6 +58,10 @@ py::dict memory_stats(c10::DeviceIndex device) {
 PYBIND11_MODULE(_C, m) {
   using namespace superchip;
   m.doc() = "superchip native module (see superchip/__init__.py for the public API)";
+  m.def("_init", [] {
+    (void)executor();  // raises here, as a Python error, when SUPERCHIP_EXECUTOR is invalid
+    return register_executor_kernels();
+  });
   m.def("_executor", [] { return std::string(executor_name(executor())); });
   m.def("_device_count", [] { return static_cast<int>(device_count()); });
   m.def("_current_device", [] { return static_cast<int>(current_device()); });

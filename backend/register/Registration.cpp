@@ -7,6 +7,8 @@
 
 #include "backend/native/Forward.h"
 #include "backend/native/Native.h"
+#include "backend/register/Registration.h"
+#include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGuard.h"
 #include "backend/runtime/SuperchipHooks.h"
@@ -22,9 +24,66 @@ struct Registrar {
 };
 const Registrar registrar;
 
+// Ops whose composite kernel must stay: they create tensors on a device, change devices or
+// move bytes across them, or are the native set's own building blocks.
+bool forwardable_composite(const c10::FunctionSchema& schema) {
+  for (const auto& arg : schema.arguments()) {
+    c10::TypePtr t = arg.real_type();
+    if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
+    if (t->kind() == c10::TypeKind::DeviceObjType) return false;
+    if (t->kind() == c10::TypeKind::StorageType) return false;
+  }
+  const std::string& n = schema.name();
+  static const char* const kKeep[] = {"copy", "empty", "resize", "_local_scalar_dense", "item",
+                                      "lift", "_pin_memory", "is_pinned", "set_", "record_stream",
+                                      "_has_compatible_shallow_copy_type", "_to_", "to_"};
+  for (const char* k : kKeep) {
+    if (n.find(k) != std::string::npos) return false;
+  }
+  return true;
+}
+
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SuperchipGuardImpl);
 
 }  // namespace
+}  // namespace superchip
+
+namespace superchip {
+
+// Note [Forwarding composite kernels]
+// An op with both an executor kernel and a CompositeExplicitAutograd(NonFunctional) kernel
+// would run the composite one on superchip (it outranks the fallback): a decomposition that
+// is slower and gives different bits than the executor (native_layer_norm is one). Those ops
+// are registered to the forwarding kernel explicitly. Ops that create tensors on a device or
+// move bytes between devices keep their composite kernels, which route to the native set.
+int register_executor_kernels() {
+  static torch::Library* lib = nullptr;
+  static int count = 0;
+  if (lib != nullptr) return count;
+  const c10::DispatchKey exec = executor() == Executor::kCuda ? c10::DispatchKey::CUDA
+                                                              : c10::DispatchKey::CPU;
+  lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                           __LINE__);  // lives for the process, like the registrations it holds
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findSchema(name);
+    if (!op.has_value()) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!op->hasKernelForDispatchKey(exec)) continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    if (!forwardable_composite(op->schema())) continue;
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
+    ++count;
+  }
+  return count;
+}
+
 }  // namespace superchip
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

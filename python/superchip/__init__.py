@@ -22,6 +22,8 @@ if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "superchip"
 from . import _C  # noqa: E402  (registers allocator, hooks, guard and kernels)
 from . import device as _device_module  # noqa: E402
 
+_C._init()
+
 if torch._C._get_privateuse1_backend_name() != "superchip":
     torch.utils.rename_privateuse1_backend("superchip")
     torch._register_device_module("superchip", _device_module)
