@@ -47,6 +47,21 @@ void copy_view_bits(c10::TensorImpl* dst, const at::Tensor& src) {
   if (src.is_neg()) dst->_set_neg(true);
 }
 
+c10::Storage adopt_as_superchip_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), executor_storage.nbytes(),
+                      adopt_executor_storage(executor_storage, device), &superchip_allocator(),
+                      /*resizable=*/true);
+}
+
+// A superchip tensor over `storage` with the sizes, strides, offset and view bits of `like`.
+at::Tensor superchip_tensor(c10::Storage storage, const at::Tensor& like) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  copy_view_bits(impl.get(), like);
+  return at::Tensor(std::move(impl));
+}
+
 // ---- per-operator facts, computed once per schema and thread ----
 
 struct OpFacts {
@@ -223,6 +238,16 @@ class ForwardedCall {
       if (p.alias.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) return p.original;
     }
     if (r.device().type() != executor_device_type()) return r;
+    // Several results may view one fresh executor storage: adopt it once, share it.
+    c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
+    if (aliased_superchip_storage(r.storage()) == nullptr) {
+      for (auto& [impl, storage] : adopted_) {
+        if (impl == es) return superchip_tensor(storage, r);
+      }
+      c10::Storage storage = adopt_as_superchip_storage(r.storage(), device_);
+      adopted_.emplace_back(es, storage);
+      return superchip_tensor(std::move(storage), r);
+    }
     return retag_result(r, device_);
   }
 
@@ -250,6 +275,7 @@ class ForwardedCall {
   c10::DeviceIndex device_ = -1;
   std::optional<c10::Device> foreign_;
   std::vector<AliasPair> pairs_;
+  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> adopted_;
 };
 
 }  // namespace
@@ -268,19 +294,10 @@ at::Tensor executor_alias(const at::Tensor& t) {
 }
 
 at::Tensor retag_result(const at::Tensor& r, c10::DeviceIndex device) {
-  c10::Storage storage;
   if (c10::StorageImpl* base = aliased_superchip_storage(r.storage())) {
-    storage = c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(base));
-  } else {
-    storage = c10::Storage(c10::Storage::use_byte_size_t(), r.storage().nbytes(),
-                           adopt_executor_storage(r.storage(), device), &superchip_allocator(),
-                           /*resizable=*/true);
+    return superchip_tensor(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(base)), r);
   }
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), r.dtype());
-  impl->set_sizes_and_strides(r.sizes(), r.strides(), r.storage_offset());
-  copy_view_bits(impl.get(), r);
-  return at::Tensor(std::move(impl));
+  return superchip_tensor(adopt_as_superchip_storage(r.storage(), device), r);
 }
 
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

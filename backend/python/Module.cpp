@@ -6,7 +6,10 @@
 
 #include <string>
 
+#include <pybind11/stl.h>
+
 #include "allocator/Topology.h"
+#include "backend/optim/FusedStep.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -50,6 +53,27 @@ py::dict memory_stats(c10::DeviceIndex device) {
     d[py::str(p + "num_ooms")] = s.num_ooms;
   }
   return d;
+}
+
+// An fp32 superchip tensor shaped like `like`, in `tier`, holding `like`'s values (or zeros).
+at::Tensor fp32_in_tier(const at::Tensor& like, const std::string& tier, bool copy_values) {
+  check_superchip(like, "superchip._C._fp32_in_tier");
+  const c10::DeviceIndex device = like.device().index();
+  const size_t nbytes = static_cast<size_t>(like.numel()) * sizeof(float);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       allocate_in_tier(nbytes, tier_arg(tier), device), &superchip_allocator(),
+                       /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      caffe2::TypeMeta::Make<float>());
+  impl->set_sizes_contiguous(like.sizes());
+  at::Tensor t(std::move(impl));
+  if (copy_values) {
+    t.copy_(like);
+  } else {
+    t.zero_();
+  }
+  return t;
 }
 
 }  // namespace
@@ -101,5 +125,46 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->synchronizeDevice(index);
   });
+  m.def("_fp32_in_tier", &fp32_in_tier, py::arg("like"), py::arg("tier"), py::arg("copy_values"));
+  m.def("_adam_step",
+        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+           std::vector<std::optional<at::Tensor>> masters, std::vector<at::Tensor> exp_avgs,
+           std::vector<at::Tensor> exp_avg_sqs, std::vector<std::optional<at::Tensor>> max_exp_avg_sqs,
+           std::vector<int64_t> steps, double lr, double beta1, double beta2, double eps,
+           double weight_decay, bool decoupled, bool amsgrad, bool maximize) {
+          AdamGroup g{std::move(params), std::move(grads), std::move(masters), std::move(exp_avgs),
+                      std::move(exp_avg_sqs), std::move(max_exp_avg_sqs), std::move(steps)};
+          ops::AdamHyper h;
+          h.lr = lr;
+          h.beta1 = beta1;
+          h.beta2 = beta2;
+          h.eps = eps;
+          h.weight_decay = weight_decay;
+          h.decoupled_weight_decay = decoupled;
+          h.amsgrad = amsgrad;
+          h.maximize = maximize;
+          py::gil_scoped_release no_gil;
+          fused_adam_step(g, h);
+        });
+  m.def("_sgd_step",
+        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+           std::vector<std::optional<at::Tensor>> masters,
+           std::vector<std::optional<at::Tensor>> momentum_buffers, std::vector<bool> first_steps,
+           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+           bool maximize) {
+          SgdGroup g{std::move(params), std::move(grads), std::move(masters),
+                     std::move(momentum_buffers), std::move(first_steps)};
+          ops::SgdHyper h;
+          h.lr = lr;
+          h.momentum = momentum;
+          h.dampening = dampening;
+          h.weight_decay = weight_decay;
+          h.nesterov = nesterov;
+          h.maximize = maximize;
+          py::gil_scoped_release no_gil;
+          fused_sgd_step(g, h);
+        });
+  m.def("_optimizer_threads", &optimizer_threads);
+  m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
   m.def("_topology", [] { return Topology::get().describe(); });
 }

@@ -30,6 +30,7 @@ if torch._C._get_privateuse1_backend_name() != "superchip":
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
 
 from .device import _index  # noqa: E402
+from . import optim  # noqa: E402,F401
 
 __all__ = [
     "memory_stats",

@@ -1,0 +1,250 @@
+#include "backend/optim/FusedStep.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+
+#include "allocator/Topology.h"
+#include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
+#include "ops/cpu/ThreadPool.h"
+
+namespace superchip {
+namespace {
+
+// Elements per work item: large enough to amortise scheduling, small enough that every
+// thread gets several items on a billion-parameter model; a multiple of 64 bytes of fp32.
+constexpr int64_t kChunk = 1 << 16;
+
+ops::ThreadPool& pool() {
+  static std::unique_ptr<ops::ThreadPool> p = [] {
+    const Topology& topo = Topology::get();
+    const NumaNode& node = topo.nodes()[topo.nearest_node(
+        cuda_pci_bus_id(executor() == Executor::kCuda ? current_device() : -1))];
+    int threads = static_cast<int>(node.cpus.size());
+    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS")) {
+      const int v = std::atoi(env);
+      TORCH_CHECK(v > 0, "SUPERCHIP_OPTIM_THREADS must be a positive integer, got '", env, "'.");
+      threads = v;
+    }
+    return std::make_unique<ops::ThreadPool>(std::max(1, threads), node.cpus);
+  }();
+  return *p;
+}
+
+ops::DType dtype_of(const at::Tensor& t, const char* what, size_t i) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ops::DType::kF32;
+    case at::kBFloat16: return ops::DType::kBF16;
+    case at::kHalf: return ops::DType::kF16;
+    default:
+      TORCH_CHECK(false, "superchip.optim: ", what, " ", i, " has dtype ", t.scalar_type(),
+                  "; the fused optimizer supports float32, bfloat16 and float16. Use torch.optim "
+                  "for other dtypes.");
+  }
+}
+
+bool host_addressable(const at::Tensor& t) {
+  if (t.device().is_cpu()) return true;
+  if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
+  return executor() == Executor::kCpu || storage_tier(*t.storage().unsafeGetStorageImpl()) == Tier::kHost;
+}
+
+// A host-addressable, contiguous view of `t` for the kernel; write_back() copies kernel
+// results into `t` when a staging copy had to be made.
+class HostOperand {
+ public:
+  HostOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
+    if (host_addressable(t) && t.is_contiguous()) {
+      host_ = t;
+    } else if (host_addressable(t)) {
+      host_ = t.contiguous();
+      staged_ = true;
+    } else {
+      host_ = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+      host_.copy_(t);
+      staged_ = true;
+    }
+  }
+  void* data() const { return host_.data_ptr(); }
+  void write_back() {
+    if (staged_ && written_) original_.copy_(host_);
+  }
+
+ private:
+  at::Tensor original_;
+  at::Tensor host_;
+  bool written_;
+  bool staged_ = false;
+};
+
+void check_state(const at::Tensor& s, const at::Tensor& p, const char* what, size_t i) {
+  TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat && s.numel() == p.numel() && s.is_contiguous() &&
+                  host_addressable(s),
+              "superchip.optim: state '", what, "' of parameter ", i,
+              " must be a contiguous float32 tensor in host-addressable memory with ", p.numel(),
+              " elements (the optimizer creates it; was the state dict edited by hand?).");
+}
+
+struct Item {
+  size_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Item> cut(const std::vector<int64_t>& sizes) {
+  std::vector<Item> items;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (int64_t b = 0; b < sizes[i]; b += kChunk) items.push_back({i, b, std::min(sizes[i], b + kChunk)});
+  }
+  return items;
+}
+
+template <typename T>
+T* at_offset(void* base, int64_t i) {
+  return base ? static_cast<T*>(base) + i : nullptr;
+}
+
+const void* at_offset_dtype(const void* base, ops::DType d, int64_t i) {
+  const size_t width = d == ops::DType::kF32 ? 4 : 2;
+  return static_cast<const char*>(base) + i * static_cast<int64_t>(width);
+}
+
+void* at_offset_dtype(void* base, ops::DType d, int64_t i) {
+  return base ? const_cast<void*>(at_offset_dtype(static_cast<const void*>(base), d, i)) : nullptr;
+}
+
+}  // namespace
+
+int optimizer_threads() { return pool().num_threads(); }
+
+const char* optimizer_simd_path() { return ops::simd_path_name(ops::active_simd_path()); }
+
+void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
+  const size_t n = g.params.size();
+  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
+                  g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
+              "superchip.optim: internal error: ragged Adam group");
+  const ops::SimdPath path = ops::active_simd_path();
+  std::vector<ops::AdamArrays> arrays(n);
+  std::vector<HostOperand> operands;
+  operands.reserve(3 * n);
+  std::vector<int64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = g.params[i];
+    const at::Tensor& grad = g.grads[i];
+    TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
+                grad.numel(), " elements, the parameter ", p.numel(), ".");
+    ops::AdamArrays& a = arrays[i];
+    a.n = p.numel();
+    sizes[i] = a.n;
+    const ops::DType pd = dtype_of(p, "parameter", i);
+    a.grad_dtype = dtype_of(grad, "gradient", i);
+    operands.emplace_back(grad, /*written=*/false);
+    a.grad = operands.back().data();
+    if (pd == ops::DType::kF32) {
+      operands.emplace_back(p, /*written=*/true);
+      a.param = static_cast<float*>(operands.back().data());
+    } else {
+      TORCH_CHECK(g.masters[i].has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
+                  " has no fp32 master weight.");
+      check_state(*g.masters[i], p, "master_param", i);
+      a.param = g.masters[i]->data_ptr<float>();
+      operands.emplace_back(p, /*written=*/true);
+      a.param_lowp = operands.back().data();
+      a.lowp_dtype = pd;
+    }
+    check_state(g.exp_avgs[i], p, "exp_avg", i);
+    check_state(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
+    a.exp_avg = g.exp_avgs[i].data_ptr<float>();
+    a.exp_avg_sq = g.exp_avg_sqs[i].data_ptr<float>();
+    if (hyper.amsgrad) {
+      TORCH_CHECK(g.max_exp_avg_sqs[i].has_value(), "superchip.optim: amsgrad state missing for parameter ", i);
+      check_state(*g.max_exp_avg_sqs[i], p, "max_exp_avg_sq", i);
+      a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
+    }
+  }
+  const std::vector<Item> items = cut(sizes);
+  pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const Item& it = items[k];
+      const ops::AdamArrays& a = arrays[it.tensor];
+      ops::AdamHyper h = hyper;
+      h.step = g.steps[it.tensor];
+      ops::AdamArrays sub = a;
+      sub.param = at_offset<float>(a.param, it.begin);
+      sub.exp_avg = at_offset<float>(a.exp_avg, it.begin);
+      sub.exp_avg_sq = at_offset<float>(a.exp_avg_sq, it.begin);
+      sub.max_exp_avg_sq = at_offset<float>(a.max_exp_avg_sq, it.begin);
+      sub.grad = at_offset_dtype(a.grad, a.grad_dtype, it.begin);
+      sub.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, it.begin);
+      sub.n = it.end - it.begin;
+      ops::adam_step(h, sub, path, nullptr);
+    }
+  });
+  for (HostOperand& o : operands) o.write_back();
+}
+
+void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
+  const size_t n = g.params.size();
+  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
+                  g.first_steps.size() == n,
+              "superchip.optim: internal error: ragged SGD group");
+  const ops::SimdPath path = ops::active_simd_path();
+  std::vector<ops::SgdArrays> arrays(n);
+  std::vector<HostOperand> operands;
+  operands.reserve(2 * n);
+  std::vector<int64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = g.params[i];
+    const at::Tensor& grad = g.grads[i];
+    TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
+                grad.numel(), " elements, the parameter ", p.numel(), ".");
+    ops::SgdArrays& a = arrays[i];
+    a.n = p.numel();
+    sizes[i] = a.n;
+    const ops::DType pd = dtype_of(p, "parameter", i);
+    a.grad_dtype = dtype_of(grad, "gradient", i);
+    operands.emplace_back(grad, /*written=*/false);
+    a.grad = operands.back().data();
+    if (pd == ops::DType::kF32) {
+      operands.emplace_back(p, /*written=*/true);
+      a.param = static_cast<float*>(operands.back().data());
+    } else {
+      TORCH_CHECK(g.masters[i].has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
+                  " has no fp32 master weight.");
+      check_state(*g.masters[i], p, "master_param", i);
+      a.param = g.masters[i]->data_ptr<float>();
+      operands.emplace_back(p, /*written=*/true);
+      a.param_lowp = operands.back().data();
+      a.lowp_dtype = pd;
+    }
+    if (hyper.momentum != 0.0) {
+      TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
+      check_state(*g.momentum_buffers[i], p, "momentum_buffer", i);
+      a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
+    }
+  }
+  const std::vector<Item> items = cut(sizes);
+  pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const Item& it = items[k];
+      const ops::SgdArrays& a = arrays[it.tensor];
+      ops::SgdHyper h = hyper;
+      h.first_step = g.first_steps[it.tensor];
+      ops::SgdArrays sub = a;
+      sub.param = at_offset<float>(a.param, it.begin);
+      sub.momentum_buffer = at_offset<float>(a.momentum_buffer, it.begin);
+      sub.grad = at_offset_dtype(a.grad, a.grad_dtype, it.begin);
+      sub.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, it.begin);
+      sub.n = it.end - it.begin;
+      ops::sgd_step(h, sub, path, nullptr);
+    }
+  });
+  for (HostOperand& o : operands) o.write_back();
+}
+
+}  // namespace superchip

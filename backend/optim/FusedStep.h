@@ -1,0 +1,43 @@
+// The torch-facing side of the fused CPU optimizer: validates tensors, finds host pointers
+// (staging through host memory the operands a CPU cannot address, i.e. hbm with the CUDA
+// executor), cuts every parameter into cache-friendly chunks and runs the ops/cpu kernels on
+// the optimizer thread pool (pinned to the GPU-local NUMA node). Called with the GIL released.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+#include "ops/cpu/FusedOptim.h"
+
+namespace superchip {
+
+struct AdamGroup {
+  std::vector<at::Tensor> params;            // fp32, bf16 or fp16; updated in place
+  std::vector<at::Tensor> grads;             // fp32, bf16 or fp16, same numel as the param
+  std::vector<std::optional<at::Tensor>> masters;  // fp32 master of a low-precision param
+  std::vector<at::Tensor> exp_avgs;          // fp32
+  std::vector<at::Tensor> exp_avg_sqs;       // fp32
+  std::vector<std::optional<at::Tensor>> max_exp_avg_sqs;  // fp32, amsgrad only
+  std::vector<int64_t> steps;                // step number after increment, per parameter
+};
+
+void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper);
+
+struct SgdGroup {
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> grads;
+  std::vector<std::optional<at::Tensor>> masters;
+  std::vector<std::optional<at::Tensor>> momentum_buffers;  // fp32; required when momentum != 0
+  std::vector<bool> first_steps;  // per parameter: its momentum buffer is new
+};
+
+void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper);
+
+// Threads of the optimizer pool (SUPERCHIP_OPTIM_THREADS, or the cores of the GPU-local node).
+int optimizer_threads();
+// The SIMD path the kernels take (SUPERCHIP_SIMD forces one).
+const char* optimizer_simd_path();
+
+}  // namespace superchip
