@@ -29,6 +29,8 @@ SimdPath active_simd_path();
 bool simd_path_supported(SimdPath p) noexcept;
 // The best supported path, ignoring SUPERCHIP_SIMD.
 SimdPath best_simd_path() noexcept;
+// fp32 lanes per vector of `p` on this CPU (SVE: the CPU's vector length), 0 if unsupported.
+int simd_path_width(SimdPath p) noexcept;
 // The CPU's model name as the OS or CPUID reports it, plus the ISA features the paths need,
 // e.g. "AMD EPYC 9R14 (x86-64: avx2 fma f16c avx512f)". For messages and `superchip info`.
 std::string cpu_description();

@@ -128,6 +128,8 @@ SgdRangeFn sgd_sve_for_grad(Lowp lowp) {
 
 }  // namespace
 
+int sve_lanes() { return static_cast<int>(svcntw()); }
+
 AdamRangeFn adam_kernel_sve(DType grad, Lowp lowp) {
   switch (grad) {
     case DType::kBF16: return adam_sve_for_grad<DType::kBF16>(lowp);

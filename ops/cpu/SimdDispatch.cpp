@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ops/cpu/FusedOptim.h"
+#include "ops/cpu/StepKernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -161,6 +162,23 @@ SimdPath best_simd_path() noexcept {
     if (simd_path_supported(p)) return p;
   }
   return SimdPath::kScalar;
+}
+
+int simd_path_width(SimdPath p) noexcept {
+  if (!simd_path_supported(p)) return 0;
+  switch (p) {
+    case SimdPath::kScalar: return 1;
+    case SimdPath::kAvx2: return 8;
+    case SimdPath::kAvx512: return 16;
+    case SimdPath::kNeon: return 4;
+    case SimdPath::kSve:
+#if defined(SUPERCHIP_OPS_HAVE_SVE)
+      return detail::sve_lanes();
+#else
+      return 0;
+#endif
+  }
+  return 0;
 }
 
 std::string cpu_description() {

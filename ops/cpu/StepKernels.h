@@ -64,6 +64,7 @@ SgdRangeFn sgd_kernel_neon(DType grad, Lowp lowp);
 #if defined(SUPERCHIP_OPS_HAVE_SVE)
 AdamRangeFn adam_kernel_sve(DType grad, Lowp lowp);
 SgdRangeFn sgd_kernel_sve(DType grad, Lowp lowp);
+int sve_lanes();  // svcntw(): call only when the CPU has SVE
 #endif
 
 // Argument checks shared by the kernels and the references; throw std::invalid_argument.

@@ -110,7 +110,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     state[key] = _state_tensor(p, value)
             if p.dtype in _LOW_PRECISION and "master_param" not in state:
                 state["master_param"] = _state_tensor(p, p)
-            if "step" in state and not isinstance(state["step"], torch.Tensor):
+            if "step" in state:
+                # A fresh CPU tensor: torch's loader hands over the caller's own step tensor,
+                # which step() increments in place.
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 

@@ -1,0 +1,291 @@
+"""What running on the superchip device costs against running on its executor directly.
+
+Not a test; every figure is a ratio to a baseline measured in the same run.
+
+  (a) step   One training step of the example GPT (examples/model.py: forward, backward,
+             torch.optim.AdamW step, loss.item()) on `superchip` and on plain `cpu`; on a
+             GPU machine whose executor is CUDA also on plain `cuda`. The devices take turns
+             (interleaved repetitions of a few steps each) and the median per-step time of
+             each is reported with the ratio superchip / baseline. `cpu, math sdpa` is the
+             plain-CPU step with scaled_dot_product_attention forced to its math
+             decomposition: the route PyTorch takes for a device that registers no fused
+             attention; the distance between it and `cpu` is what attention alone costs.
+  (b) op     The fixed cost of one small op, `a.add_(b)` and `a + b` on 16-element fp32
+             tensors, on superchip and on the baseline: microseconds per op and the
+             difference, which is the per-op overhead of dispatching through superchip.
+  (c)        The machine: CPU model, cores, threads, torch, executor, GPU, git commit.
+
+    python bench/dispatch.py [--reps 7] [--steps-per-rep 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import superchip
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from data import CharTokenizer, TEXT, get_batch  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+
+# ---- machine ----------------------------------------------------------------------------
+
+def git_commit() -> str:
+    try:
+        head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                       text=True, stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"],
+                               stderr=subprocess.DEVNULL).returncode != 0
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "executor": superchip.executor(),
+        "commit": git_commit(),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ---- timing -----------------------------------------------------------------------------
+
+def synchronize(device: str) -> None:
+    if device.startswith("superchip"):
+        torch.superchip.synchronize()
+    elif device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def interleaved_samples(cases: dict, reps: int) -> dict:
+    """Runs each case's ``fn()`` in turn, ``reps`` rounds, rotating the order each round so no
+    case always runs first; returns each case's list of results."""
+    names = list(cases)
+    samples = {n: [] for n in names}
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            samples[n].append(cases[n]())
+    return samples
+
+
+def interleaved_medians(cases: dict, reps: int) -> dict:
+    return {n: statistics.median(s) for n, s in interleaved_samples(cases, reps).items()}
+
+
+# ---- (a) training step --------------------------------------------------------------------
+
+class StepCase:
+    """A model, its AdamW and a batch stream on one device; ``__call__`` times some steps."""
+
+    def __init__(self, model: GPT, device: str, data: torch.Tensor, batch: int, steps: int,
+                 math_sdpa: bool = False):
+        self.device = device
+        self.model = copy.deepcopy(model).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.data, self.batch, self.steps = data, batch, steps
+        self.gen = torch.Generator().manual_seed(0)
+        self.math_sdpa = math_sdpa
+
+    def step(self) -> None:
+        x, y = get_batch(self.data, self.batch, self.model.cfg.seq_len, self.gen)
+        _, loss = self.model(x.to(self.device), y.to(self.device))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        loss.item()
+
+    def __call__(self) -> tuple[float, float]:
+        """Seconds per step: (wall clock, this process's CPU time)."""
+        ctx = sdpa_kernel([SDPBackend.MATH]) if self.math_sdpa else _nullcontext()
+        with ctx:
+            synchronize(self.device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(self.steps):
+                self.step()
+            synchronize(self.device)
+        return ((time.perf_counter() - t0) / self.steps,
+                (time.process_time() - c0) / self.steps)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def bench_step(args, baselines: list[str]) -> dict:
+    tok = CharTokenizer(TEXT)
+    data = tok.encode(TEXT)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
+                    n_head=args.n_head, d_model=args.d_model)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    cases = {"superchip": StepCase(model, "superchip", data, args.batch, args.steps_per_rep)}
+    for b in baselines:
+        cases[b] = StepCase(model, b, data, args.batch, args.steps_per_rep)
+    if "cpu" in baselines:
+        cases["cpu, math sdpa"] = StepCase(model, "cpu", data, args.batch, args.steps_per_rep,
+                                           math_sdpa=True)
+    for case in cases.values():  # warm-up: optimizer state, allocator caches, lazy init
+        for _ in range(2):
+            case.step()
+    samples = interleaved_samples(cases, args.reps)
+    wall = {n: [w for w, _ in s] for n, s in samples.items()}
+    cpu = {n: [c for _, c in s] for n, s in samples.items()}
+    med = {n: statistics.median(s) for n, s in wall.items()}
+    fastest = {n: min(s) for n, s in wall.items()}
+    med_cpu = {n: statistics.median(s) for n, s in cpu.items()}
+
+    def ratios(fig: dict) -> dict:
+        return {n: fig["superchip"] / t for n, t in fig.items() if n != "superchip"}
+
+    return {
+        "config": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head,
+                   "seq_len": cfg.seq_len, "batch": args.batch, "params": model.num_params()},
+        "ms_per_step": {n: 1e3 * t for n, t in med.items()},
+        "ms_per_step_fastest": {n: 1e3 * t for n, t in fastest.items()},
+        "cpu_ms_per_step": {n: 1e3 * t for n, t in med_cpu.items()},
+        "ratio_superchip_to": ratios(med),
+        "ratio_superchip_to_fastest": ratios(fastest),
+        "cpu_time_ratio_superchip_to": ratios(med_cpu),
+        "samples_ms": {n: [1e3 * t for t in s] for n, s in wall.items()},
+    }
+
+
+# ---- (b) per-op overhead ------------------------------------------------------------------
+
+def op_case(device: str, op: str, n_ops: int):
+    a = torch.randn(16).to(device)
+    b = torch.randn(16).to(device)
+
+    def inplace():
+        for _ in range(n_ops):
+            a.add_(b)
+
+    def outofplace():
+        for _ in range(n_ops):
+            a + b
+
+    body = inplace if op == "add_" else outofplace
+
+    def run() -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        body()
+        synchronize(device)
+        a.zero_()  # keep values bounded across repetitions
+        return (time.perf_counter() - t0) / n_ops
+
+    return run
+
+
+def bench_ops(args, baselines: list[str]) -> dict:
+    out = {}
+    for op, label in (("add_", "a.add_(b)"), ("add", "a + b")):
+        devices = ["superchip"] + baselines
+        cases = {d: op_case(d, op, args.ops_per_rep) for d in devices}
+        for c in cases.values():
+            c()  # warm-up
+        med = interleaved_medians(cases, args.reps)
+        out[label] = {
+            "us_per_op": {d: 1e6 * t for d, t in med.items()},
+            "overhead_us_vs": {d: 1e6 * (med["superchip"] - med[d]) for d in baselines},
+        }
+    return out
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=15, help="interleaved rounds (median taken)")
+    p.add_argument("--steps-per-rep", type=int, default=2)
+    p.add_argument("--ops-per-rep", type=int, default=20000)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default); 1 is steadier on a busy machine")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    info = machine_info()
+    baselines = ["cpu"]
+    if torch.cuda.is_available() and superchip.executor() == "cuda":
+        baselines.append("cuda")
+    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads)"
+          f"{', GPU ' + info['gpu'] if info['gpu'] else ''} | torch {info['torch']} | "
+          f"executor {info['executor']} | commit {info['commit']}")
+
+    step = bench_step(args, baselines)
+    c = step["config"]
+    print(f"\n(a) training step: GPT {c['params']:,} params ({c['n_layer']} layers, "
+          f"d={c['d_model']}, seq {c['seq_len']}, batch {c['batch']}), AdamW; median of "
+          f"{args.reps} interleaved rounds x {args.steps_per_rep} steps")
+    print(f"  {'':<16} {'median':>9} {'fastest':>9} {'CPU time':>9}   ms/step   "
+          f"superchip / it: median, fastest, CPU time")
+    for name, ms in step["ms_per_step"].items():
+        tail = ""
+        if name != "superchip":
+            tail = (f"   {step['ratio_superchip_to'][name]:.3f}  "
+                    f"{step['ratio_superchip_to_fastest'][name]:.3f}  "
+                    f"{step['cpu_time_ratio_superchip_to'][name]:.3f}")
+        print(f"  {name:<16} {ms:9.2f} {step['ms_per_step_fastest'][name]:9.2f} "
+              f"{step['cpu_ms_per_step'][name]:9.2f}{' ' * 10}{tail}")
+
+    ops = bench_ops(args, baselines)
+    print(f"\n(b) per-op cost, 16-element fp32 tensors; median of {args.reps} rounds x "
+          f"{args.ops_per_rep} ops")
+    for label, r in ops.items():
+        figures = "   ".join(f"{d} {us:6.2f} us" for d, us in r["us_per_op"].items())
+        over = "   ".join(f"overhead vs {d} {us:+6.2f} us" for d, us in r["overhead_us_vs"].items())
+        print(f"  {label:<10} {figures}   {over}")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "step": step, "ops": ops}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

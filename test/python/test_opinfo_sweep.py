@@ -1,0 +1,208 @@
+"""OpInfo sweep: every op of PyTorch's ``op_db`` runs on superchip and gives the CPU result.
+
+Each op runs on up to ``MAX_SAMPLES`` sample inputs at float32 (or, for ops without float32 on
+CPU, the first dtype of ``FALLBACK_DTYPES`` they support), once on CPU and once with every
+tensor moved to superchip. Results come back to CPU and are compared with ``assert_close``
+(``equal_nan``, tolerance from ``SWEEP_TOLERANCES``). Random ops are compared after seeding
+both runs identically (superchip's generator reproduces the CPU stream); ops whose output is
+uninitialised memory are compared on shape/dtype/device only (``SHAPE_ONLY``).
+
+Outcomes per op: ``pass`` (every sample matched), ``fail`` (a sample raised on superchip or
+differed), ``skip`` (listed in ``SKIPS``; counts as not passing), ``n/a`` (the CPU reference
+itself raised or the op has no sample at a supported dtype; not the backend's fault).
+``test_opinfo_sweep_summary`` prints the counts and the failures by name and asserts that at
+least ``MIN_PASS_FRACTION`` of all op_db entries (n/a and skips included in the denominator
+as not passing) pass.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+
+import superchip  # noqa: F401
+
+from helpers import DEVICE, to_device
+from tolerances import SWEEP_TOLERANCES, tol
+
+MAX_SAMPLES = 4
+MIN_PASS_FRACTION = 0.90
+FALLBACK_DTYPES = (torch.int64, torch.bool, torch.complex64, torch.float64, torch.uint8)
+
+# Ops whose output is uninitialised (or otherwise arbitrary) memory: only shape, dtype and
+# device can be compared.
+SHAPE_ONLY = {
+    "empty": "returns uninitialised memory",
+    "empty_like": "returns uninitialised memory",
+    "empty_strided": "returns uninitialised memory",
+    "empty_permuted": "returns uninitialised memory",
+    "new_empty": "returns uninitialised memory",
+    "new_empty_strided": "returns uninitialised memory",
+    "torch.empty": "returns uninitialised memory",
+}
+
+# op name (or "name.variant") -> reason. Every skip counts as "not passing".
+SKIPS: dict[str, str] = {}
+
+
+def _op_id(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def _sweep_dtype(op):
+    """float32 when the op supports it on CPU, else the first fallback dtype it supports."""
+    supported = op.supported_dtypes("cpu")
+    if torch.float32 in supported:
+        return torch.float32
+    for dtype in FALLBACK_DTYPES:
+        if dtype in supported:
+            return dtype
+    return None
+
+
+def _compare(actual, expected, shape_only: bool):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"got {type(actual).__name__}, want a tensor"
+        if expected.device.type == "cpu":
+            assert actual.device.type == "superchip", f"result on {actual.device}"
+        assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+        assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+        if shape_only:
+            return
+        a = actual.detach().cpu()
+        e = expected.detach()
+        if e.layout != torch.strided:
+            a, e = a.to_dense(), e.to_dense()
+        torch.testing.assert_close(a, e, equal_nan=True, check_device=False,
+                                   check_stride=False, **tol(e.dtype, SWEEP_TOLERANCES))
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
+            f"got {type(actual).__name__} of {len(actual) if hasattr(actual, '__len__') else '?'}"
+            f" items, want {len(expected)}")
+        for a, e in zip(actual, expected):
+            _compare(a, e, shape_only)
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected)
+        for k in expected:
+            _compare(actual[k], expected[k], shape_only)
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, f"{actual} != nan"
+    else:
+        assert actual == expected, f"{actual!r} != {expected!r}"
+
+
+def _run(op, sample, device):
+    args = to_device((sample.input, *sample.args), device)
+    kwargs = to_device(dict(sample.kwargs), device)
+    torch.manual_seed(1234)
+    return op(*args, **kwargs)
+
+
+def check_op(op) -> tuple[str, str]:
+    """Runs one op of op_db; returns (outcome, detail)."""
+    name = _op_id(op)
+    if name in SKIPS:
+        return "skip", SKIPS[name]
+    dtype = _sweep_dtype(op)
+    if dtype is None:
+        return "n/a", "no supported dtype on CPU"
+    try:
+        samples = list(op.sample_inputs("cpu", dtype, requires_grad=False))[:MAX_SAMPLES]
+    except Exception as exc:  # noqa: BLE001  (op_db's own sample generator)
+        return "n/a", f"sample_inputs raised {type(exc).__name__}"
+    ran = 0
+    for i, sample in enumerate(samples):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                expected = _run(op, sample, "cpu")
+        except Exception:  # noqa: BLE001  (reference raised: sample not applicable)
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                actual = _run(op, sample, DEVICE)
+            _compare(actual, expected, name in SHAPE_ONLY or op.name in SHAPE_ONLY)
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc).strip().splitlines()
+            first = msg[0] if msg else ""
+            return "fail", f"sample {i} ({dtype}): {type(exc).__name__}: {first[:200]}"
+        ran += 1
+    if ran == 0:
+        return "n/a", "CPU reference raised on every sample"
+    return "pass", f"{ran} samples"
+
+
+def _worker(start: int, out_path: str) -> None:
+    """Checks op_db[start:], appending one JSON line per op (flushed, so a crash loses nothing)."""
+    import faulthandler
+    faulthandler.enable()
+    with open(out_path, "a") as out:
+        for index in range(start, len(op_db)):
+            op = op_db[index]
+            out.write(json.dumps({"index": index, "name": _op_id(op), "started": True}) + "\n")
+            out.flush()
+            outcome, detail = check_op(op)
+            out.write(json.dumps({"index": index, "name": _op_id(op), "outcome": outcome,
+                                  "detail": detail}) + "\n")
+            out.flush()
+
+
+def run_sweep(tmp_path) -> dict[str, tuple[str, str]]:
+    """Runs the sweep in child processes; an op that kills its process is a failure ("crash")
+    and the sweep goes on from the next op in a fresh process."""
+    out_path = tmp_path / "sweep.jsonl"
+    results: dict[str, tuple[str, str]] = {}
+    start = 0
+    while start < len(op_db):
+        proc = subprocess.run([sys.executable, __file__, str(start), str(out_path)],
+                              capture_output=True, text=True)
+        last_started = None
+        if not out_path.exists():
+            raise RuntimeError(f"sweep worker failed to start:\n{proc.stderr[-3000:]}")
+        for line in out_path.read_text().splitlines():
+            rec = json.loads(line)
+            if "outcome" in rec:
+                results[rec["name"]] = (rec["outcome"], rec["detail"])
+            else:
+                last_started = rec
+        if proc.returncode == 0:
+            break
+        if last_started is None or last_started["name"] in results:
+            raise RuntimeError(f"sweep worker died outside an op:\n{proc.stderr[-3000:]}")
+        tail = [l for l in proc.stderr.strip().splitlines() if l.strip()][:1]
+        results[last_started["name"]] = (
+            "fail", f"crashed the process (exit {proc.returncode}): {' '.join(tail)[:200]}")
+        start = last_started["index"] + 1
+    return results
+
+
+def test_opinfo_sweep_summary(tmp_path):
+    results = run_sweep(tmp_path)
+    total = len(op_db)
+    by_outcome: dict[str, list[str]] = {"pass": [], "fail": [], "skip": [], "n/a": []}
+    for name, (outcome, _) in results.items():
+        by_outcome[outcome].append(name)
+    passed = len(by_outcome["pass"])
+    fraction = passed / total
+    applicable = total - len(by_outcome["n/a"])
+    print(f"\nOpInfo sweep: {passed} / {total} op_db ops pass ({fraction:.3f}); "
+          f"{len(by_outcome['fail'])} fail, {len(by_outcome['skip'])} skipped, "
+          f"{len(by_outcome['n/a'])} not applicable; "
+          f"pass fraction of applicable ops {passed / max(applicable, 1):.3f}")
+    for outcome in ("fail", "skip", "n/a"):
+        for name in sorted(by_outcome[outcome]):
+            print(f"  {outcome:4s} {name}: {results[name][1]}")
+    assert fraction >= MIN_PASS_FRACTION, (
+        f"only {passed}/{total} = {fraction:.3f} of op_db ops pass on superchip "
+        f"(need {MIN_PASS_FRACTION}); failures: {sorted(by_outcome['fail'])}")
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), sys.argv[2])
