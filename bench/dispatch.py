@@ -9,7 +9,8 @@ Not a test; every figure is a ratio to a baseline measured in the same run.
              each is reported with the ratio superchip / baseline. `cpu, math sdpa` is the
              plain-CPU step with scaled_dot_product_attention forced to its math
              decomposition: the route PyTorch takes for a device that registers no fused
-             attention; the distance between it and `cpu` is what attention alone costs.
+             attention; the distance between it and `cpu` is what attention alone costs
+             (`cuda, math sdpa` likewise with the CUDA executor).
   (b) op     The fixed cost of one small op, `a.add_(b)` and `a + b` on 16-element fp32
              tensors, on superchip and on the baseline: microseconds per op and the
              difference, which is the per-op overhead of dispatching through superchip.
@@ -159,9 +160,10 @@ def bench_step(args, baselines: list[str]) -> dict:
     cases = {"superchip": StepCase(model, "superchip", data, args.batch, args.steps_per_rep)}
     for b in baselines:
         cases[b] = StepCase(model, b, data, args.batch, args.steps_per_rep)
-    if "cpu" in baselines:
-        cases["cpu, math sdpa"] = StepCase(model, "cpu", data, args.batch, args.steps_per_rep,
-                                           math_sdpa=True)
+    ex = superchip.executor()
+    if ex in baselines:  # the executor's own device with superchip's attention route
+        cases[f"{ex}, math sdpa"] = StepCase(model, ex, data, args.batch, args.steps_per_rep,
+                                             math_sdpa=True)
     for case in cases.values():  # warm-up: optimizer state, allocator caches, lazy init
         for _ in range(2):
             case.step()

@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 APT_PACKAGES=(
   cmake ninja-build ccache pkg-config
   libnuma-dev libhwloc-dev libgtest-dev
+  g++-aarch64-linux-gnu qemu-user googletest
 )
 PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy)
 

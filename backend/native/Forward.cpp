@@ -148,9 +148,12 @@ class ForwardedCall {
       }
     }
     if (foreign_.has_value()) {
-      TORCH_CHECK(device_ < 0, "Expected all tensors to be on the same device, but found at least "
-                  "two devices, superchip:", int(device_), " and ", *foreign_, "! (in ",
-                  op_.schema().name(), "). Move them to one device with .to().");
+      // Here either a superchip tensor meets a tensor of another device, or a superchip
+      // generator or device argument meets tensors of another device.
+      TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least "
+                  "two devices, superchip", device_ >= 0 ? ":" + std::to_string(device_) : std::string(),
+                  " and ", *foreign_, "! (in ", op_.schema().name(), "). Move them to one device "
+                  "with .to(), and use a generator of that device.");
     }
     if (device_ < 0) {
       for (int pos : facts_.device_args) {
@@ -205,7 +208,8 @@ class ForwardedCall {
       c10::IValue& v = (*stack_)[first_ + pos];
       if (v.isNone()) {
         v = executor_generator(default_generator(device_));
-      } else if (v.isGenerator() && v.toGenerator().device().type() == c10::DeviceType::PrivateUse1) {
+      } else if (v.isGenerator()) {
+        // executor_generator() rejects a generator of another device, as CUDA does.
         v = executor_generator(v.toGenerator());
       }
     }

@@ -3,6 +3,8 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/view_native.h>
@@ -159,6 +161,33 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::_local_scalar_dense(executor_alias(self));
+}
+
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                    bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
+  std::optional<at::Tensor> bias_x;
+  if (bias.has_value() && bias->defined()) bias_x = executor_alias(*bias);
+  at::Tensor out = at::convolution(executor_alias(input), executor_alias(weight), bias_x, stride,
+                                   padding, dilation, transposed, output_padding, groups);
+  return retag_result(out, input.device().index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+    c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  // The bias gradient has one value per output channel.
+  const int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
+  std::vector<int64_t> bias_sizes{out_channels};
+  auto [gi, gw, gb] = at::convolution_backward(
+      executor_alias(grad_output), executor_alias(input), executor_alias(weight),
+      output_mask[2] ? at::OptionalIntArrayRef(bias_sizes) : std::nullopt, stride, padding,
+      dilation, transposed, output_padding, groups, output_mask);
+  const c10::DeviceIndex device = input.device().index();
+  auto tag = [device](const at::Tensor& t) { return t.defined() ? retag_result(t, device) : t; };
+  return {tag(gi), tag(gw), tag(gb)};
 }
 
 }  // namespace superchip::native

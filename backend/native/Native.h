@@ -6,7 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 
 namespace superchip::native {
 
@@ -31,5 +33,14 @@ at::Tensor& set_empty(at::Tensor& self);
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking);
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst);
 c10::Scalar local_scalar_dense(const at::Tensor& self);
+// Convolutions reach a PrivateUse1 device through these two "overrideable" ops.
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                    bool transposed, c10::IntArrayRef output_padding, int64_t groups);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+    c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask);
 
 }  // namespace superchip::native

@@ -72,8 +72,8 @@ at::Generator new_generator(c10::DeviceIndex index) {
 
 at::Generator executor_generator(const at::Generator& gen) {
   TORCH_CHECK(gen.device().type() == c10::DeviceType::PrivateUse1,
-              "Expected a superchip generator for an op on superchip tensors, but got a generator "
-              "of device ", gen.device(), ". Create it with torch.Generator(device='superchip').");
+              "Expected a 'superchip' device type for generator but found '", gen.device().type(),
+              "'. Create it with torch.Generator(device='superchip').");
   return gen.get<SuperchipGenerator>()->inner();
 }
 

@@ -8,7 +8,6 @@ import superchip
 
 
 def info() -> None:
-    print(f"superchip {superchip.__version__ if hasattr(superchip, '__version__') else ''}".strip())
     print(f"torch {torch.__version__}")
     print(f"executor: {superchip.executor()}")
     print(f"devices: {torch.superchip.device_count()}")
@@ -18,6 +17,8 @@ def info() -> None:
             cap = stats[f"{tier}.capacity_bytes"]
             print(f"  superchip:{i} {tier}: capacity {cap / 2**30:.2f} GiB" if cap else
                   f"  superchip:{i} {tier}: capacity unlimited")
+    print(f"optimizer: {superchip._C._optimizer_threads()} threads, SIMD path "
+          f"{superchip._C._optimizer_simd_path()}")
     print("topology:")
     print(superchip._C._topology())
     print("cast-then-move rule: the narrower dtype crosses the link (fixed rule)")

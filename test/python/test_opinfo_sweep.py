@@ -28,7 +28,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 import superchip  # noqa: F401
 
-from helpers import DEVICE, to_device
+from helpers import DEVICE
 from tolerances import SWEEP_TOLERANCES, tol
 
 MAX_SAMPLES = 4
@@ -97,9 +97,43 @@ def _compare(actual, expected, shape_only: bool):
         assert actual == expected, f"{actual!r} != {expected!r}"
 
 
-def _run(op, sample, device):
-    args = to_device((sample.input, *sample.args), device)
-    kwargs = to_device(dict(sample.kwargs), device)
+# Ops with an argument that must stay a CPU tensor, as on CUDA: only their input moves.
+CPU_ONLY_ARGS = {
+    "tensor_split": "tensor_indices_or_sections must be a CPU tensor (as on CUDA)",
+}
+
+
+def _move_tensor(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` with the same sizes, strides and storage offset: the whole storage
+    moves and the view is rebuilt, so ops that read the storage (as_strided) see what they see
+    on CPU, and the backend gets the same non-contiguous layouts."""
+    if t.layout != torch.strided or t.device.type != "cpu":
+        return t.to(device)
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+    return flat.to(device).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def _move(obj, device):
+    """Recursively moves tensors to ``device`` and rewrites ``device="cpu"`` arguments of
+    factory ops (arange, full, ..., ``Tensor.to``) to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return _move_tensor(obj, device)
+    if isinstance(obj, (str, torch.device)) and str(obj) == "cpu":
+        return torch.device(device)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_move(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _run(op, sample, device, name):
+    if name in CPU_ONLY_ARGS:
+        args = (_move(sample.input, device), *sample.args)
+    else:
+        args = _move((sample.input, *sample.args), device)
+    kwargs = _move(dict(sample.kwargs), device)
     torch.manual_seed(1234)
     return op(*args, **kwargs)
 
@@ -121,13 +155,13 @@ def check_op(op) -> tuple[str, str]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                expected = _run(op, sample, "cpu")
+                expected = _run(op, sample, "cpu", name)
         except Exception:  # noqa: BLE001  (reference raised: sample not applicable)
             continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                actual = _run(op, sample, DEVICE)
+                actual = _run(op, sample, DEVICE, name)
             _compare(actual, expected, name in SHAPE_ONLY or op.name in SHAPE_ONLY)
         except Exception as exc:  # noqa: BLE001
             msg = str(exc).strip().splitlines()
@@ -176,9 +210,9 @@ def run_sweep(tmp_path) -> dict[str, tuple[str, str]]:
             break
         if last_started is None or last_started["name"] in results:
             raise RuntimeError(f"sweep worker died outside an op:\n{proc.stderr[-3000:]}")
-        tail = [l for l in proc.stderr.strip().splitlines() if l.strip()][:1]
+        fatal = [line for line in proc.stderr.splitlines() if line.startswith("Fatal Python")]
         results[last_started["name"]] = (
-            "fail", f"crashed the process (exit {proc.returncode}): {' '.join(tail)[:200]}")
+            "fail", f"crashed the process (exit {proc.returncode}): {(fatal or [''])[0]}")
         start = last_started["index"] + 1
     return results
 

@@ -34,7 +34,9 @@ TEST(SimdDispatch, ScalarAlwaysSupportedAndBestIsSupported) {
   EXPECT_TRUE(simd_path_supported(best_simd_path()));
   std::string supported;
   for (SimdPath p : all_paths()) {
-    if (simd_path_supported(p)) supported += std::string(" ") + simd_path_name(p);
+    if (simd_path_supported(p)) {
+      supported += std::string(" ") + simd_path_name(p) + "(" + std::to_string(simd_path_width(p)) + " lanes)";
+    }
     EXPECT_EQ(simd_path_width(p) > 0, simd_path_supported(p)) << simd_path_name(p);
   }
   std::printf("[ info     ] CPU: %s; supported paths:%s; best: %s\n", cpu_description().c_str(),

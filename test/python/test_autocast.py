@@ -1,0 +1,138 @@
+"""``torch.amp.autocast("superchip")`` follows CUDA's autocast policy lists: lower-precision
+ops (matmul, linear, conv, bmm, baddbmm...) run in the autocast dtype, fp32 ops (softmax,
+log_softmax, layer_norm, losses, exp/log/pow...) run in float32, and backward works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import superchip  # noqa: F401
+
+from helpers import DEVICE
+from tolerances import tol
+
+AMP_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def test_amp_supported_dtypes():
+    supported = torch.superchip.get_amp_supported_dtype()
+    assert torch.bfloat16 in supported and torch.float16 in supported
+    assert torch.amp.is_autocast_available("superchip")
+
+
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+def test_lower_precision_ops(dtype):
+    a = torch.randn(8, 16, device=DEVICE)
+    b = torch.randn(16, 4, device=DEVICE)
+    lin = nn.Linear(16, 4).to(DEVICE)
+    with torch.amp.autocast("superchip", dtype=dtype):
+        assert torch.is_autocast_enabled("superchip")
+        assert torch.get_autocast_dtype("superchip") == dtype
+        mm = a @ b
+        out = lin(a)
+        bmm = torch.bmm(a.view(2, 4, 16), b.expand(2, 16, 4))
+        addmm = torch.addmm(torch.zeros(4, device=DEVICE), a, b)
+    assert mm.dtype == dtype and out.dtype == dtype and bmm.dtype == dtype
+    assert addmm.dtype == dtype
+    assert lin.weight.dtype == torch.float32  # parameters are not cast in place
+    ref = (a.cpu().to(dtype) @ b.cpu().to(dtype))
+    torch.testing.assert_close(mm.cpu(), ref, **tol(dtype))
+    assert not torch.is_autocast_enabled("superchip")
+    assert (a @ b).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+def test_fp32_ops_stay_fp32(dtype):
+    x = torch.randn(4, 10, device=DEVICE)
+    h = x.to(dtype)  # a low-precision activation, as produced by a linear layer
+    target = torch.randint(0, 10, (4,), device=DEVICE)
+    with torch.amp.autocast("superchip", dtype=dtype):
+        outs = {
+            "softmax": torch.softmax(h, -1),
+            "log_softmax": F.log_softmax(h, -1),
+            "layer_norm": F.layer_norm(h, (10,)),
+            "cross_entropy": F.cross_entropy(h, target),
+            "exp": torch.exp(h),
+            "sum": torch.sum(h),
+            "mse_loss": F.mse_loss(h, x),
+        }
+    for name, out in outs.items():
+        assert out.dtype == torch.float32, f"{name} gave {out.dtype}"
+        assert out.device == DEVICE
+    torch.testing.assert_close(outs["softmax"].cpu(), torch.softmax(h.cpu().float(), -1))
+
+
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+def test_promote_ops(dtype):
+    a = torch.randn(3, device=DEVICE)
+    b = torch.randn(3, device=DEVICE).to(dtype)
+    with torch.amp.autocast("superchip", dtype=dtype):
+        assert torch.cat([a, b]).dtype == torch.float32   # widest input type
+        assert torch.stack([a, b]).dtype == torch.float32
+        assert torch.addcmul(a, b, b).dtype == torch.float32
+
+
+def test_disabled_and_nested_autocast():
+    a = torch.randn(4, 4, device=DEVICE)
+    with torch.amp.autocast("superchip", dtype=torch.bfloat16):
+        with torch.amp.autocast("superchip", enabled=False):
+            assert (a @ a).dtype == torch.float32
+        assert (a @ a).dtype == torch.bfloat16
+    with torch.autocast(device_type="superchip", dtype=torch.float16):
+        assert (a @ a).dtype == torch.float16
+
+
+def test_cpu_autocast_does_not_affect_superchip():
+    a = torch.randn(4, 4, device=DEVICE)
+    with torch.amp.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+def test_backward_under_autocast(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+    ref = [p.detach().clone() for p in model.parameters()]
+    model = model.to(DEVICE)
+    x = torch.randn(5, 8, device=DEVICE)
+    y = torch.randint(0, 3, (5,), device=DEVICE)
+    with torch.amp.autocast("superchip", dtype=dtype):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+    assert logits.dtype == dtype and loss.dtype == torch.float32
+    loss.backward()
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert p.grad.device == DEVICE
+        assert torch.isfinite(p.grad.cpu()).all()
+        assert p.grad.abs().sum().item() > 0
+
+    # Same model, same input on CPU with CPU autocast: gradients agree to bf16/fp16 precision.
+    cpu_model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for p, r in zip(cpu_model.parameters(), ref):
+            p.copy_(r)
+    with torch.amp.autocast("cpu", dtype=dtype):
+        loss_cpu = F.cross_entropy(cpu_model(x.cpu()), y.cpu())
+    loss_cpu.backward()
+    torch.testing.assert_close(loss.cpu(), loss_cpu, rtol=2e-2, atol=2e-2)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_grad_scaler_on_superchip():
+    model = nn.Linear(4, 2).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("superchip", init_scale=1024.0)
+    before = model.weight.detach().cpu().clone()
+    with torch.amp.autocast("superchip", dtype=torch.float16):
+        loss = model(torch.randn(3, 4, device=DEVICE)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    assert model.weight.grad.abs().max().item() > 0
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.weight.detach().cpu(), before)
+    assert scaler.get_scale() == 1024.0

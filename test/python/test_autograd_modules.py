@@ -1,0 +1,187 @@
+"""Forward and backward of common modules on superchip against the same module on CPU.
+
+The module is built once on CPU, deep-copied to superchip, both run the same input, and the
+outputs, input gradients and parameter gradients are compared with the float32 row of the
+tolerance table (with the CPU executor the kernels are the CPU kernels, so most results are
+bitwise equal).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import superchip  # noqa: F401
+
+from helpers import DEVICE, assert_close_cpu
+
+
+def _parity(module: nn.Module, *inputs: torch.Tensor, seed: int | None = None,
+            train: bool = True):
+    """Runs ``module`` on CPU and a copy on superchip; compares outputs and all gradients."""
+    ref = module.train(train)
+    dev = copy.deepcopy(module).to(DEVICE).train(train)
+    cpu_in = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    dev_in = [x.to(DEVICE).requires_grad_(x.is_floating_point()) for x in inputs]
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    out_cpu = ref(*cpu_in)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out_dev = dev(*dev_in)
+    assert out_dev.device == DEVICE
+    assert_close_cpu(out_dev, out_cpu.detach())
+
+    grad_out = torch.randn_like(out_cpu)
+    out_cpu.backward(grad_out)
+    out_dev.backward(grad_out.to(DEVICE))
+    for x_cpu, x_dev in zip(cpu_in, dev_in):
+        if x_cpu.grad is not None:
+            assert x_dev.grad is not None
+            assert_close_cpu(x_dev.grad, x_cpu.grad)
+    for (name, p_cpu), (_, p_dev) in zip(ref.named_parameters(), dev.named_parameters()):
+        assert p_dev.grad is not None, f"no gradient for {name}"
+        assert p_dev.grad.device == DEVICE
+        assert_close_cpu(p_dev.grad, p_cpu.grad, msg=f"gradient of {name}")
+    for (name, b_cpu), (_, b_dev) in zip(ref.named_buffers(), dev.named_buffers()):
+        assert_close_cpu(b_dev, b_cpu, msg=f"buffer {name}")
+    return out_cpu, out_dev
+
+
+def test_linear():
+    torch.manual_seed(1)
+    _parity(nn.Linear(16, 8), torch.randn(4, 16))
+
+
+def test_linear_3d_input_no_bias():
+    torch.manual_seed(1)
+    _parity(nn.Linear(16, 8, bias=False), torch.randn(2, 3, 16))
+
+
+def test_conv2d():
+    torch.manual_seed(2)
+    _parity(nn.Conv2d(3, 4, kernel_size=3, padding=1, stride=2), torch.randn(2, 3, 9, 9))
+
+
+def test_layer_norm():
+    torch.manual_seed(3)
+    ln = nn.LayerNorm(10)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    _parity(ln, torch.randn(4, 5, 10))
+
+
+def test_embedding():
+    torch.manual_seed(4)
+    emb = nn.Embedding(20, 6, padding_idx=0)
+    idx = torch.tensor([[1, 2, 0, 19], [2, 2, 5, 7]])
+    out_cpu, out_dev = _parity(emb, idx)
+    assert out_dev.shape == (2, 4, 6)
+
+
+class _SDPA(nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scaled_dot_product_attention(causal):
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    _parity(_SDPA(causal), q, k, v)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm(train):
+    torch.manual_seed(6)
+    bn = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    _parity(bn, torch.randn(3, 4, 5, 5), train=train)  # running stats compared as buffers
+
+
+def test_batch_norm_1d():
+    torch.manual_seed(6)
+    _parity(nn.BatchNorm1d(8), torch.randn(16, 8))
+
+
+def test_dropout_p0_is_identity():
+    x = torch.randn(5, 6)
+    out_cpu, out_dev = _parity(nn.Dropout(p=0.0), x)
+    torch.testing.assert_close(out_dev.detach().cpu(), x, rtol=0, atol=0)
+
+
+def test_dropout_seed_parity():
+    x = torch.randn(64, 32)
+    out_cpu, out_dev = _parity(nn.Dropout(p=0.3), x, seed=123)
+    zeros = (out_dev.detach().cpu() == 0).float().mean().item()
+    assert 0.2 < zeros < 0.4, zeros                      # it really dropped ~30%
+    # Another seed gives another mask.
+    torch.manual_seed(124)
+    other = nn.functional.dropout(x.to(DEVICE), 0.3)
+    assert not torch.equal(other.cpu() == 0, out_dev.detach().cpu() == 0)
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.LayerNorm(32),
+                                 nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1),
+                                 nn.Linear(32, 3))
+
+    def forward(self, x):
+        return F.log_softmax(self.net(x), dim=-1)
+
+
+def test_small_mlp_with_loss_and_sgd_step():
+    torch.manual_seed(7)
+    ref = _MLP()
+    dev = copy.deepcopy(ref).to(DEVICE)
+    x = torch.randn(10, 12)
+    y = torch.randint(0, 3, (10,))
+    opt_cpu = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_dev = torch.optim.SGD(dev.parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        loss_cpu = F.nll_loss(ref(x), y)
+        torch.manual_seed(100 + step)
+        loss_dev = F.nll_loss(dev(x.to(DEVICE)), y.to(DEVICE))
+        assert_close_cpu(loss_dev, loss_cpu.detach())
+        for opt, loss in ((opt_cpu, loss_cpu), (opt_dev, loss_dev)):
+            opt.zero_grad()
+            loss.backward()
+        for (name, p_cpu), p_dev in zip(ref.named_parameters(), dev.parameters()):
+            assert_close_cpu(p_dev.grad, p_cpu.grad, msg=f"step {step} grad {name}")
+        opt_cpu.step()
+        opt_dev.step()
+    for p_cpu, p_dev in zip(ref.parameters(), dev.parameters()):
+        assert_close_cpu(p_dev.detach(), p_cpu.detach())
+
+
+def test_clip_grad_norm_and_no_grad():
+    torch.manual_seed(8)
+    ref = nn.Linear(8, 8)
+    dev = copy.deepcopy(ref).to(DEVICE)
+    x = torch.randn(4, 8) * 10
+    ref(x).pow(2).sum().backward()
+    dev(x.to(DEVICE)).pow(2).sum().backward()
+    n_cpu = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    n_dev = torch.nn.utils.clip_grad_norm_(dev.parameters(), 1.0)
+    assert n_dev.device == DEVICE
+    assert_close_cpu(n_dev, n_cpu)
+    for p_cpu, p_dev in zip(ref.parameters(), dev.parameters()):
+        assert_close_cpu(p_dev.grad, p_cpu.grad)
+    with torch.no_grad():
+        out = dev(x.to(DEVICE))
+    assert not out.requires_grad and out.grad_fn is None

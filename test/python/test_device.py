@@ -1,0 +1,152 @@
+"""Device registration: indices, current device, the device module, accelerator, streams and
+events, the executor choice and ``python -m superchip info``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import superchip
+
+from helpers import DEVICE, run_python
+
+
+def test_device_module_registered():
+    assert torch._C._get_privateuse1_backend_name() == "superchip"
+    assert torch.superchip.is_available()
+    assert torch.superchip.device_count() == 1  # SUPERCHIP_DEVICE_COUNT unset: one device
+    assert torch.superchip.current_device() == 0
+
+
+def test_torch_device_parsing():
+    d = torch.device("superchip:0")
+    assert d.type == "superchip" and d.index == 0
+    t = torch.ones(2, device="superchip")
+    assert t.device == DEVICE
+    assert t.is_superchip
+    assert torch.ones(2, device=torch.device("superchip", 0)).device == DEVICE
+
+
+def test_tensor_and_module_methods():
+    t = torch.arange(3.0).superchip()
+    assert t.device == DEVICE
+    m = torch.nn.Linear(2, 2).superchip()
+    assert all(p.device == DEVICE for p in m.parameters())
+
+
+def test_set_device_and_context_manager_single_device():
+    torch.superchip.set_device(0)
+    assert torch.superchip.current_device() == 0
+    with torch.superchip.device(0):
+        assert torch.superchip.current_device() == 0
+        assert torch.empty(1, device="superchip").device == DEVICE
+    assert torch.superchip.current_device() == 0
+
+
+def test_out_of_range_index_raises():
+    with pytest.raises(RuntimeError):
+        torch.empty(1, device="superchip:1")
+    with pytest.raises(RuntimeError):
+        torch.superchip.set_device(5)
+    assert torch.superchip.current_device() == 0
+
+
+def test_current_accelerator_is_superchip():
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.current_accelerator() == torch.device("superchip")
+    assert torch.accelerator.device_count() == 1
+    assert torch.accelerator.current_device_index() == 0
+
+
+def test_multi_device_semantics_in_subprocess():
+    code = textwrap.dedent("""
+        import torch, superchip
+        assert torch.superchip.device_count() == 3, torch.superchip.device_count()
+        assert torch.accelerator.device_count() == 3
+        a = torch.ones(4, device="superchip:2")
+        assert a.device == torch.device("superchip:2"), a.device
+        assert (a + a).device == torch.device("superchip:2")
+        with torch.superchip.device(1):
+            assert torch.superchip.current_device() == 1
+            b = torch.zeros(4, device="superchip")
+            assert b.device == torch.device("superchip:1"), b.device
+        assert torch.superchip.current_device() == 0
+        torch.superchip.set_device(2)
+        assert torch.superchip.current_device() == 2
+        assert torch.empty(1, device="superchip").device.index == 2
+        torch.superchip.set_device(0)
+        c = a.to("superchip:1")
+        assert c.device.index == 1 and torch.equal(c.cpu(), a.cpu())
+        try:
+            a + c
+        except RuntimeError as e:
+            assert "superchip:2" in str(e) and "superchip:1" in str(e), str(e)
+        else:
+            raise AssertionError("op across superchip:2 and superchip:1 did not raise")
+        try:
+            torch.empty(1, device="superchip:3")
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("superchip:3 of 3 devices did not raise")
+        s = superchip.memory_stats("superchip:2")
+        assert s["hbm.allocated_bytes"] > 0, s
+        assert superchip.memory_stats(1)["hbm.allocated_bytes"] > 0
+        print("OK")
+    """)
+    res = run_python(code, env={"SUPERCHIP_DEVICE_COUNT": "3"})
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+
+
+def test_stream_and_event():
+    s = torch.Stream(device="superchip")
+    assert s.device == DEVICE
+    assert s.query()
+    s.synchronize()
+    start = torch.Event(device="superchip", enable_timing=True)
+    end = torch.Event(device="superchip", enable_timing=True)
+    start.record(s)
+    x = torch.randn(64, 64, device="superchip")
+    (x @ x).sum().item()
+    end.record(s)
+    end.synchronize()
+    assert end.query()
+    elapsed = start.elapsed_time(end)
+    assert isinstance(elapsed, float) and elapsed >= 0.0
+    assert torch.accelerator.current_stream().device == DEVICE
+    torch.accelerator.synchronize()
+    torch.superchip.synchronize()
+
+
+def test_executor_value():
+    assert superchip.executor() in ("cpu", "cuda")
+    if not torch.cuda.is_available():
+        assert superchip.executor() == "cpu"
+
+
+def test_executor_env_override_cpu():
+    res = run_python("import superchip; print(superchip.executor())",
+                     env={"SUPERCHIP_EXECUTOR": "cpu"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "cpu"
+
+
+def test_executor_env_invalid_value_errors_at_import():
+    res = run_python("import superchip", env={"SUPERCHIP_EXECUTOR": "tpu"})
+    assert res.returncode != 0
+    assert "SUPERCHIP_EXECUTOR" in res.stderr and "tpu" in res.stderr, res.stderr[-2000:]
+
+
+def test_python_m_superchip_info():
+    res = subprocess.run([sys.executable, "-m", "superchip", "info"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert f"executor: {superchip.executor()}" in out
+    assert "devices: 1" in out
+    assert "hbm" in out and "host" in out
+    assert "topology" in out.lower()

@@ -1,0 +1,358 @@
+"""The two-tier allocator as users see it: exact statistics (rounding, frees, peaks, cache),
+``torch.accelerator`` agreement, ``move_to_tier`` (values, identity, views, parameters that
+keep training), capacity limits and out-of-memory errors that leave the state unchanged.
+
+Rounding: blocks are multiples of 512 B below 1 MiB and of 128 KiB from 1 MiB on.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import superchip
+
+from helpers import DEVICE
+
+KiB, MiB = 1024, 1024 * 1024
+TIERS = ("hbm", "host")
+FIELDS = ("allocated_bytes", "requested_bytes", "reserved_bytes", "peak_allocated_bytes",
+          "peak_reserved_bytes", "capacity_bytes", "external_bytes", "active_allocations",
+          "num_allocs", "num_frees", "num_cache_hits", "num_ooms")
+
+pytestmark = pytest.mark.usefixtures("clean_memory")
+
+
+def rounded(nbytes: int) -> int:
+    unit = 512 if nbytes < MiB else 128 * KiB
+    return -(-nbytes // unit) * unit
+
+
+def stats() -> dict:
+    return superchip.memory_stats()
+
+
+def check_invariants(s: dict) -> None:
+    for tier in TIERS:
+        t = {f: s[f"{tier}.{f}"] for f in FIELDS}
+        assert 0 <= t["requested_bytes"] <= t["allocated_bytes"], (tier, t)
+        assert t["allocated_bytes"] - t["external_bytes"] <= t["reserved_bytes"], (tier, t)
+        assert t["allocated_bytes"] <= t["peak_allocated_bytes"], (tier, t)
+        assert t["reserved_bytes"] <= t["peak_reserved_bytes"], (tier, t)
+        assert t["active_allocations"] == t["num_allocs"] - t["num_frees"], (tier, t)
+        if t["capacity_bytes"]:
+            assert t["reserved_bytes"] <= t["capacity_bytes"], (tier, t)
+
+
+def test_memory_stats_keys_are_ints():
+    s = stats()
+    assert set(s) == {f"{tier}.{f}" for tier in TIERS for f in FIELDS}
+    assert all(type(v) is int for v in s.values()), s
+    assert superchip.memory_stats("superchip:0") == s
+    assert superchip.memory_stats(0) == s
+    check_invariants(s)
+
+
+@pytest.mark.parametrize("numel", [1, 100, 128, 129, 1000, 100_000, 262_144, 300_000])
+def test_allocation_counts_rounded_size_and_free_returns_it(numel):
+    before = stats()
+    t = torch.empty(numel, dtype=torch.float32, device=DEVICE)
+    after = stats()
+    nbytes = numel * 4
+    assert after["hbm.allocated_bytes"] - before["hbm.allocated_bytes"] == rounded(nbytes)
+    assert after["hbm.requested_bytes"] - before["hbm.requested_bytes"] == nbytes
+    assert after["hbm.active_allocations"] - before["hbm.active_allocations"] == 1
+    assert after["hbm.num_allocs"] - before["hbm.num_allocs"] == 1
+    assert after["host.allocated_bytes"] == before["host.allocated_bytes"]
+    check_invariants(after)
+    del t
+    freed = stats()
+    assert freed["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+    assert freed["hbm.requested_bytes"] == before["hbm.requested_bytes"]
+    assert freed["hbm.num_frees"] - before["hbm.num_frees"] == 1
+    assert freed["hbm.reserved_bytes"] >= before["hbm.reserved_bytes"]  # kept in the cache
+    check_invariants(freed)
+
+
+def test_cache_reuse_and_empty_cache():
+    t = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)
+    del t
+    s = stats()
+    assert s["hbm.reserved_bytes"] - s["hbm.allocated_bytes"] >= MiB  # cached
+    t = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)
+    s2 = stats()
+    assert s2["hbm.num_cache_hits"] == s["hbm.num_cache_hits"] + 1
+    assert s2["hbm.reserved_bytes"] == s["hbm.reserved_bytes"]
+    del t
+    superchip.empty_cache()
+    s3 = stats()
+    assert s3["hbm.reserved_bytes"] == s3["hbm.allocated_bytes"] - s3["hbm.external_bytes"]
+    assert s3["hbm.reserved_bytes"] <= s["hbm.reserved_bytes"] - MiB
+    torch.superchip.empty_cache()  # the device module's spelling works too
+    check_invariants(stats())
+
+
+def test_peaks_and_reset():
+    base = stats()["hbm.allocated_bytes"]
+    a = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)
+    del b
+    s = stats()
+    assert s["hbm.peak_allocated_bytes"] >= base + 3 * MiB
+    assert s["hbm.allocated_bytes"] == base + 2 * MiB
+    assert torch.superchip.max_memory_allocated() == s["hbm.peak_allocated_bytes"]
+    superchip.reset_peak_memory_stats()
+    s = stats()
+    assert s["hbm.peak_allocated_bytes"] == s["hbm.allocated_bytes"] == base + 2 * MiB
+    assert s["hbm.peak_reserved_bytes"] == s["hbm.reserved_bytes"]
+    del a
+    assert stats()["hbm.peak_allocated_bytes"] == base + 2 * MiB
+
+
+def test_torch_accelerator_agrees():
+    t = torch.empty(3 * MiB + 5, dtype=torch.uint8, device=DEVICE)
+    s = stats()
+    assert torch.accelerator.memory_allocated() == s["hbm.allocated_bytes"]
+    assert torch.accelerator.memory_allocated(DEVICE) == s["hbm.allocated_bytes"]
+    assert torch.superchip.memory_allocated() == s["hbm.allocated_bytes"]
+    assert torch.superchip.memory_reserved() == s["hbm.reserved_bytes"]
+    assert torch.accelerator.max_memory_allocated() == s["hbm.peak_allocated_bytes"]
+    superchip.move_to_tier(t, "host")  # host bytes are not in the accelerator's number
+    s = stats()
+    assert torch.accelerator.memory_allocated() == s["hbm.allocated_bytes"]
+    assert s["host.allocated_bytes"] >= 3 * MiB
+
+
+def test_executor_outputs_are_adopted_as_external_bytes():
+    a = torch.ones(1000, device=DEVICE)
+    before = stats()
+    b = a * 2  # allocated by the executor's kernel, then adopted
+    after = stats()
+    grown = after["hbm.allocated_bytes"] - before["hbm.allocated_bytes"]
+    ext = after["hbm.external_bytes"] - before["hbm.external_bytes"]
+    assert grown >= 4000
+    assert ext == grown  # the kernel's own output buffer, adopted into the hbm tier
+    assert superchip.tier_of(b) == "hbm"
+    del b
+    end = stats()
+    assert end["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+    assert end["hbm.external_bytes"] == before["hbm.external_bytes"]
+
+
+# ---- move_to_tier ----
+
+
+def test_move_to_tier_keeps_values_and_identity():
+    t = torch.randn(1000, device=DEVICE)
+    ref = t.cpu()
+    assert superchip.tier_of(t) == "hbm"
+    before = stats()
+    res = superchip.move_to_tier(t, "host")
+    assert res is t
+    assert superchip.tier_of(t) == "host"
+    assert t.device == DEVICE
+    torch.testing.assert_close(t.cpu(), ref, rtol=0, atol=0)
+    after = stats()
+    assert before["hbm.allocated_bytes"] - after["hbm.allocated_bytes"] == rounded(4000)
+    assert after["host.allocated_bytes"] - before["host.allocated_bytes"] == rounded(4000)
+    assert after["host.requested_bytes"] - before["host.requested_bytes"] == 4000
+    check_invariants(after)
+    # Ops on a host-tier tensor still work and give superchip tensors.
+    torch.testing.assert_close((t * 2).cpu(), ref * 2, rtol=0, atol=0)
+    assert superchip.move_to_tier(t, "hbm") is t
+    assert superchip.tier_of(t) == "hbm"
+    torch.testing.assert_close(t.cpu(), ref, rtol=0, atol=0)
+    back = stats()
+    assert back["host.allocated_bytes"] == before["host.allocated_bytes"]
+    assert back["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+    superchip.move_to_tier(t, "hbm")  # moving to the tier it is in is a no-op
+    assert superchip.tier_of(t) == "hbm"
+
+
+def test_move_to_tier_bad_tier_name():
+    t = torch.ones(3, device=DEVICE)
+    with pytest.raises((ValueError, RuntimeError), match="tier"):
+        superchip.move_to_tier(t, "disk")
+    assert superchip.tier_of(t) == "hbm"
+    with pytest.raises((ValueError, RuntimeError, TypeError)):
+        superchip.tier_of(torch.ones(3))
+
+
+def test_views_follow_move():
+    base = torch.arange(16.0, device=DEVICE)
+    view = base[4:12].view(2, 4)
+    t_view = base.view(4, 4).t()
+    offset = view.data_ptr() - base.data_ptr()
+    superchip.move_to_tier(base, "host")
+    assert superchip.tier_of(view) == "host" and superchip.tier_of(t_view) == "host"
+    assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert view.data_ptr() - base.data_ptr() == offset
+    torch.testing.assert_close(view.cpu(), torch.arange(4.0, 12.0).view(2, 4))
+    view.fill_(-1.0)  # writes through the view land in the moved bytes
+    t_view[0, 0] = 100.0
+    expected = torch.arange(16.0)
+    expected[4:12] = -1.0
+    expected[0] = 100.0
+    torch.testing.assert_close(base.cpu(), expected)
+    superchip.move_to_tier(view, "hbm")  # moving through a view moves the whole storage
+    assert superchip.tier_of(base) == "hbm"
+    torch.testing.assert_close(base.cpu(), expected)
+
+
+def test_module_parameters_in_host_tier_still_train():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = copy.deepcopy(ref).to(DEVICE)
+    params = list(model.parameters())
+    ids = [id(p) for p in params]
+    before = stats()
+    for p in params:
+        assert superchip.move_to_tier(p, "host") is p
+    after = stats()
+    nbytes = sum(rounded(p.numel() * 4) for p in params)
+    assert after["host.allocated_bytes"] - before["host.allocated_bytes"] == nbytes
+    assert before["hbm.allocated_bytes"] - after["hbm.allocated_bytes"] == nbytes
+    assert [id(p) for p in model.parameters()] == ids
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=False)
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    for _ in range(3):
+        for m, o, dev in ((model, opt, DEVICE), (ref, opt_ref, "cpu")):
+            o.zero_grad()
+            loss = nn.functional.mse_loss(m(x.to(dev)), y.to(dev))
+            loss.backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert superchip.tier_of(p) == "host"
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1.3e-6, atol=1e-5)
+
+
+# ---- capacity and out-of-memory ----
+
+
+@pytest.fixture
+def hbm_capacity():
+    """Restores the hbm capacity whatever the test did to it."""
+    old = stats()["hbm.capacity_bytes"]
+    try:
+        yield old
+    finally:
+        gc.collect()
+        superchip.empty_cache()
+        superchip.set_capacity("hbm", old)
+    assert stats()["hbm.capacity_bytes"] == old
+
+
+def _fmt_mib(nbytes: int) -> str:
+    return f"{nbytes / MiB:.2f} MiB"
+
+
+def test_set_capacity_reported_and_validated(hbm_capacity):
+    used = stats()["hbm.allocated_bytes"]
+    superchip.set_capacity("hbm", used + 64 * MiB)
+    assert stats()["hbm.capacity_bytes"] == used + 64 * MiB
+    keep = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(RuntimeError):
+        superchip.set_capacity("hbm", stats()["hbm.allocated_bytes"] - 1)  # below in use
+    assert stats()["hbm.capacity_bytes"] == used + 64 * MiB
+    with pytest.raises(ValueError, match="tier"):
+        superchip.set_capacity("l2", 0)
+    superchip.set_capacity("hbm", 0)
+    assert stats()["hbm.capacity_bytes"] == 0
+    del keep
+
+
+def test_oom_error_message_state_and_recovery(hbm_capacity):
+    used = stats()["hbm.allocated_bytes"]
+    capacity = used + 8 * MiB
+    superchip.set_capacity("hbm", capacity)
+    a = torch.empty(6 * MiB, dtype=torch.uint8, device=DEVICE)
+    before = stats()
+    with pytest.raises(torch.OutOfMemoryError) as exc:
+        torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
+    msg = str(exc.value)
+    assert "out of memory in tier 'hbm' of superchip:0" in msg, msg
+    assert "tried to allocate 3.00 MiB" in msg, msg
+    assert f"capacity {_fmt_mib(capacity)}" in msg, msg
+    assert f"{_fmt_mib(used + 6 * MiB)} allocated by tensors" in msg, msg
+    assert "SUPERCHIP_HBM_BYTES" in msg, msg
+    assert isinstance(exc.value, RuntimeError)  # torch.OutOfMemoryError subclasses it
+
+    after = stats()
+    for key in before:
+        if key not in ("hbm.num_ooms", "hbm.reserved_bytes", "hbm.peak_reserved_bytes"):
+            assert after[key] == before[key], key
+    assert after["hbm.num_ooms"] == before["hbm.num_ooms"] + 1
+    assert after["hbm.reserved_bytes"] <= before["hbm.reserved_bytes"]  # cache may be freed
+    check_invariants(after)
+
+    del a
+    b = torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)  # works again after freeing
+    b.fill_(7)
+    assert b.sum().item() == 7 * 3 * MiB
+    c = torch.empty(4 * MiB, dtype=torch.uint8, device=DEVICE)
+    assert stats()["hbm.allocated_bytes"] == used + 7 * MiB
+    del b, c
+
+
+def test_oom_from_an_op_output(hbm_capacity):
+    used = stats()["hbm.allocated_bytes"]
+    superchip.set_capacity("hbm", used + 4 * MiB)
+    a = torch.ones(MiB // 4 * 3, device=DEVICE)  # 3 MiB
+    with pytest.raises(torch.OutOfMemoryError, match="tier 'hbm'"):
+        a * 2
+    torch.testing.assert_close(a[:5].cpu(), torch.ones(5))
+    a.mul_(2)  # in-place needs no new memory
+    assert a[0].item() == 2.0
+
+
+def test_cached_blocks_are_freed_before_oom(hbm_capacity):
+    used = stats()["hbm.allocated_bytes"]
+    superchip.set_capacity("hbm", used + 8 * MiB)
+    a = torch.empty(5 * MiB, dtype=torch.uint8, device=DEVICE)
+    del a  # 5 MiB cached, 0 in use
+    b = torch.empty(7 * MiB, dtype=torch.uint8, device=DEVICE)  # must evict the cache
+    assert stats()["hbm.allocated_bytes"] == used + 7 * MiB
+    check_invariants(stats())
+    del b
+
+
+def test_oom_in_move_to_tier_leaves_tensor_in_place(hbm_capacity):
+    used = stats()["hbm.allocated_bytes"]
+    t = torch.arange(MiB // 2, dtype=torch.float32, device=DEVICE)  # 2 MiB
+    superchip.move_to_tier(t, "host")
+    view = t[10:20]
+    superchip.set_capacity("hbm", used + MiB)
+    before = stats()
+    ptr = t.data_ptr()
+    with pytest.raises(torch.OutOfMemoryError, match="tier 'hbm'"):
+        superchip.move_to_tier(t, "hbm")
+    assert superchip.tier_of(t) == "host"
+    assert t.data_ptr() == ptr
+    torch.testing.assert_close(view.cpu(), torch.arange(10.0, 20.0))
+    after = stats()
+    assert after["host.allocated_bytes"] == before["host.allocated_bytes"]
+    assert after["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+    superchip.set_capacity("hbm", 0)
+    superchip.move_to_tier(t, "hbm")
+    assert superchip.tier_of(t) == "hbm"
+    torch.testing.assert_close(view.cpu(), torch.arange(10.0, 20.0))
+
+
+def test_host_capacity_limit(hbm_capacity):
+    old_host = stats()["host.capacity_bytes"]
+    t = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
+    try:
+        superchip.set_capacity("host", stats()["host.allocated_bytes"] + MiB)
+        with pytest.raises(torch.OutOfMemoryError, match="tier 'host'"):
+            superchip.move_to_tier(t, "host")
+        assert superchip.tier_of(t) == "hbm"
+    finally:
+        superchip.set_capacity("host", old_host)
+    superchip.move_to_tier(t, "host")
+    assert superchip.tier_of(t) == "host"

@@ -1,0 +1,322 @@
+"""Tensor semantics on superchip: views and storage sharing, in-place ops through views,
+non-contiguous and zero-size tensors, scalars, printing, dtype promotion, copies in every
+direction with dtype conversion, ``out=``/``resize_``/``set_``, storages, and the mixed-device
+error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import superchip  # noqa: F401
+
+from helpers import DEVICE, assert_close_cpu, run_python
+
+# ---- views and storage ----
+
+
+def test_views_share_storage():
+    base = torch.arange(12.0, device=DEVICE)
+    views = [base.view(3, 4), base[2:], base.view(3, 4).t(), base.view(3, 4)[:, 1],
+             base.reshape(2, 6), base.unsqueeze(0), base.as_strided((2, 2), (1, 3), 1)]
+    for v in views:
+        assert v.device == DEVICE
+        assert v.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        assert v._base is base or v._base is None or v._base._base is base
+    assert base[2:].data_ptr() == base.data_ptr() + 2 * base.element_size()
+
+
+def test_inplace_through_views():
+    base = torch.zeros(4, 4, device=DEVICE)
+    base[1].fill_(1.0)
+    base[:, 2] += 2.0
+    base.t()[3].mul_(0).add_(5.0)        # row 3 of the transpose is column 3
+    base.view(16)[::5].sub_(7.0)         # the diagonal
+    ref = torch.zeros(4, 4)
+    ref[1].fill_(1.0)
+    ref[:, 2] += 2.0
+    ref.t()[3].mul_(0).add_(5.0)
+    ref.view(16)[::5].sub_(7.0)
+    torch.testing.assert_close(base.cpu(), ref, rtol=0, atol=0)
+
+
+def test_view_version_counter_and_autograd_sees_inplace():
+    a = torch.ones(3, device=DEVICE, requires_grad=True)
+    b = a * 2
+    v = b[1:]
+    v.mul_(3)
+    b.sum().backward()
+    torch.testing.assert_close(a.grad.cpu(), torch.tensor([2.0, 6.0, 6.0]))
+
+
+# ---- layouts ----
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: t.t(),
+    lambda t: t[::2, 1::3],
+    lambda t: t[:, :1].expand(6, 5),
+    lambda t: t.unsqueeze(0).expand(2, 6, 5).transpose(0, 2),
+    lambda t: t.flip(0)[1:],
+    lambda t: t.permute(1, 0)[1::2],
+], ids=["transpose", "step_slice", "expand", "expand_transpose", "flip_slice", "permute_step"])
+def test_non_contiguous_ops_match_cpu(make):
+    cpu = torch.randn(6, 5)
+    dev = cpu.to(DEVICE)
+    x_cpu, x_dev = make(cpu), make(dev)
+    assert x_dev.stride() == x_cpu.stride()
+    assert x_dev.is_contiguous() == x_cpu.is_contiguous()
+    assert_close_cpu(x_dev, x_cpu, rtol=0, atol=0)
+    assert_close_cpu(x_dev.contiguous(), x_cpu.contiguous(), rtol=0, atol=0)
+    assert_close_cpu(x_dev.exp() + 1, x_cpu.exp() + 1)
+    assert_close_cpu(x_dev.sum(-1), x_cpu.sum(-1))
+    assert_close_cpu(x_dev @ x_dev.transpose(-1, -2), x_cpu @ x_cpu.transpose(-1, -2))
+
+
+def test_zero_size_tensors():
+    z = torch.empty(0, 3, device=DEVICE)
+    assert z.shape == (0, 3) and z.numel() == 0 and z.device == DEVICE
+    assert (z + 1).shape == (0, 3)
+    assert z.sum().item() == 0.0
+    assert z.sum(0).shape == (3,)
+    assert torch.cat([z, torch.ones(2, 3, device=DEVICE)]).shape == (2, 3)
+    assert z.cpu().shape == (0, 3)
+    assert torch.zeros(0, device=DEVICE).to(torch.float16).dtype == torch.float16
+    assert (z @ torch.ones(3, 4, device=DEVICE)).shape == (0, 4)
+    torch.testing.assert_close((torch.ones(2, 0, device=DEVICE) @ torch.ones(0, 2,
+                               device=DEVICE)).cpu(), torch.zeros(2, 2))
+
+
+def test_item_and_scalars():
+    t = torch.tensor([1.5, -2.25], device=DEVICE)
+    assert t[1].item() == -2.25
+    assert torch.tensor(7, device=DEVICE).item() == 7
+    assert torch.tensor(True, device=DEVICE).item() is True
+    assert float(t.sum()) == -0.75
+    assert int(torch.tensor(3, device=DEVICE)) == 3
+    assert t.tolist() == [1.5, -2.25]
+    assert bool((t > 0).any())
+
+
+def test_repr_names_device():
+    r = repr(torch.arange(3, device=DEVICE))
+    assert "device='superchip:0'" in r
+    assert "0, 1, 2" in r
+    assert "device='superchip:0'" in repr(torch.empty(0, device=DEVICE))
+    assert "bfloat16" in repr(torch.ones(2, dtype=torch.bfloat16, device=DEVICE))
+
+
+# ---- dtype promotion ----
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b, dev: a + b,
+    lambda a, b, dev: a * 2.5,
+    lambda a, b, dev: a / b,
+    lambda a, b, dev: a + True,
+    lambda a, b, dev: b & (a > 1),
+    lambda a, b, dev: a + torch.tensor(1.5),       # a CPU 0-dim tensor acts as a scalar
+    lambda a, b, dev: torch.where(b, a, 0.5),
+    lambda a, b, dev: a.float() + torch.ones(3, dtype=torch.float64, device=dev),
+    lambda a, b, dev: a.half() + a.bfloat16(),
+    lambda a, b, dev: a.to(torch.int8) + a.to(torch.uint8),
+    lambda a, b, dev: b + b,
+], ids=["int+bool", "int*float_scalar", "int_div", "int+bool_scalar", "bool&bool",
+        "int+cpu0dim", "where_scalar", "f32+f64", "f16+bf16", "i8+u8", "bool+bool"])
+def test_dtype_promotion(fn):
+    a_cpu = torch.tensor([1, 2, 3])
+    b_cpu = torch.tensor([True, False, True])
+    expected = fn(a_cpu, b_cpu, "cpu")
+    actual = fn(a_cpu.to(DEVICE), b_cpu.to(DEVICE), DEVICE)
+    assert actual.dtype == expected.dtype
+    assert_close_cpu(actual, expected)
+
+
+def test_int_float_tensor_promotion():
+    a = torch.tensor([1, 2], device=DEVICE)
+    b = torch.tensor([0.5, 0.25], device=DEVICE)
+    assert (a + b).dtype == torch.float32
+    assert (b.half() * 2).dtype == torch.float16
+    torch.testing.assert_close((a + b).cpu(), torch.tensor([1.5, 2.25]))
+
+
+# ---- copies ----
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+          torch.int64, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_copy_cpu_to_superchip_with_cast(src_dtype, dst_dtype):
+    cpu = (torch.randn(5, 7) * 4).to(src_dtype)
+    moved = cpu.to(DEVICE, dst_dtype)
+    assert moved.device == DEVICE and moved.dtype == dst_dtype
+    torch.testing.assert_close(moved.cpu(), cpu.to(dst_dtype), rtol=0, atol=0)
+    moved2 = cpu.to("superchip", dtype=dst_dtype, non_blocking=True)
+    torch.superchip.synchronize()
+    torch.testing.assert_close(moved2.cpu(), cpu.to(dst_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_copy_superchip_to_cpu_and_superchip_with_cast(src_dtype, dst_dtype):
+    cpu = (torch.randn(5, 7) * 4).to(src_dtype)
+    dev = cpu.to(DEVICE)
+    back = dev.to("cpu", dst_dtype)
+    assert back.device.type == "cpu" and back.dtype == dst_dtype
+    torch.testing.assert_close(back, cpu.to(dst_dtype), rtol=0, atol=0)
+    same = dev.to(DEVICE, dst_dtype)
+    assert same.device == DEVICE and same.dtype == dst_dtype
+    torch.testing.assert_close(same.cpu(), cpu.to(dst_dtype), rtol=0, atol=0)
+    if dst_dtype == src_dtype:
+        assert same is dev  # no-op .to returns self
+    else:
+        assert same.untyped_storage().data_ptr() != dev.untyped_storage().data_ptr()
+
+
+def test_copy_noncontiguous_in_every_direction():
+    cpu = torch.randn(8, 6)
+    dst = torch.zeros(6, 8, device=DEVICE)
+    dst.copy_(cpu.t())                                   # cpu strided -> superchip
+    torch.testing.assert_close(dst.cpu(), cpu.t().contiguous(), rtol=0, atol=0)
+    dst2 = torch.zeros(4, 6, device=DEVICE, dtype=torch.float64)
+    dst2.copy_(dst.t()[::2])                             # superchip strided -> superchip, cast
+    torch.testing.assert_close(dst2.cpu(), cpu[::2].double(), rtol=0, atol=0)
+    out = torch.zeros(6, 8, dtype=torch.bfloat16)
+    out.t().copy_(dst.t())                               # superchip strided -> cpu strided, cast
+    torch.testing.assert_close(out, cpu.t().bfloat16(), rtol=0, atol=0)
+    dst3 = torch.zeros(3, device=DEVICE)
+    dst3.copy_(torch.tensor(2.0))                        # broadcasting copy from a scalar
+    torch.testing.assert_close(dst3.cpu(), torch.full((3,), 2.0))
+
+
+def test_complex_conj_view_in_subprocess():
+    # In a child process: a broken conjugate view can crash (SIGSEGV) the whole interpreter.
+    res = run_python(
+        "import torch, superchip\n"
+        "c = torch.tensor([1+2j, 3-4j], dtype=torch.complex64)\n"
+        "d = c.to('superchip')\n"
+        "assert d.conj().is_conj()\n"
+        "assert torch.equal(d.conj().cpu(), c.conj())\n"
+        "assert torch.equal(d.conj().resolve_conj().cpu(), c.conj().resolve_conj())\n"
+        "assert torch.equal((d.conj() * d).cpu(), c.conj() * c)\n"
+        "print('OK')\n")
+    assert res.returncode == 0 and "OK" in res.stdout, (res.returncode, res.stderr[-2000:])
+
+
+def test_clone_and_detach():
+    a = torch.randn(4, device=DEVICE)
+    c = a.clone()
+    assert c.data_ptr() != a.data_ptr()
+    c.add_(1)
+    torch.testing.assert_close(c.cpu(), a.cpu() + 1)
+    d = a.detach()
+    assert d.data_ptr() == a.data_ptr()
+
+
+# ---- out=, resize_, set_, storages ----
+
+
+def test_out_resizes_output():
+    out = torch.empty(0, device=DEVICE)
+    a = torch.randn(3, 4, device=DEVICE)
+    b = torch.randn(4, 5, device=DEVICE)
+    res = torch.mm(a, b, out=out)
+    assert res is out and out.shape == (3, 5) and out.device == DEVICE
+    torch.testing.assert_close(out.cpu(), a.cpu() @ b.cpu())
+    out2 = torch.empty(0, device=DEVICE)
+    torch.add(a, 1, out=out2)
+    assert out2.shape == (3, 4)
+    torch.testing.assert_close(out2.cpu(), a.cpu() + 1)
+    vals, idx = torch.empty(0, device=DEVICE), torch.empty(0, dtype=torch.long, device=DEVICE)
+    torch.max(a, 1, out=(vals, idx))
+    torch.testing.assert_close(idx.cpu(), a.cpu().argmax(1))
+
+
+def test_out_wrong_device_errors():
+    a = torch.randn(3, device=DEVICE)
+    with pytest.raises(RuntimeError):
+        torch.add(a, a, out=torch.empty(3))
+
+
+def test_resize_():
+    t = torch.arange(4.0, device=DEVICE)
+    t.resize_(2, 2)
+    assert t.shape == (2, 2)
+    torch.testing.assert_close(t.cpu(), torch.arange(4.0).view(2, 2))
+    t.resize_(10, 10)
+    assert t.shape == (10, 10) and t.untyped_storage().nbytes() >= 400
+    torch.testing.assert_close(t.view(-1)[:4].cpu(), torch.arange(4.0))  # prefix kept
+    t.resize_(0)
+    assert t.numel() == 0
+
+
+def test_set_():
+    a = torch.arange(6.0, device=DEVICE)
+    b = torch.empty(0, device=DEVICE)
+    b.set_(a.untyped_storage(), 2, (2, 2), (1, 2))
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    torch.testing.assert_close(b.cpu(), torch.tensor([[2.0, 4.0], [3.0, 5.0]]))
+    b.fill_(-1)
+    torch.testing.assert_close(a.cpu(), torch.tensor([0.0, 1.0, -1.0, -1.0, -1.0, -1.0]))
+    c = torch.empty(0, device=DEVICE)
+    c.set_(a)
+    assert c.data_ptr() == a.data_ptr() and c.shape == a.shape
+    d = torch.empty(3, device=DEVICE).set_()
+    assert d.numel() == 0
+    with pytest.raises(RuntimeError):
+        torch.empty(0).set_(a.untyped_storage())   # superchip storage under a CPU tensor
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_storage_ops():
+    t = torch.arange(5, dtype=torch.float32, device=DEVICE)
+    s = t.untyped_storage()
+    assert s.device == DEVICE
+    assert s.nbytes() == 20 and len(s) == 20
+    cpu_s = s.cpu()
+    assert cpu_s.device.type == "cpu"
+    assert torch.frombuffer(bytearray(cpu_s.tolist()), dtype=torch.float32).tolist() == \
+        [0.0, 1.0, 2.0, 3.0, 4.0]
+    s2 = torch.UntypedStorage(8, device=DEVICE)
+    assert s2.device == DEVICE and s2.nbytes() == 8
+    s2.fill_(0)
+    assert torch.empty(0, dtype=torch.int32, device=DEVICE).set_(s2).cpu().tolist() == [0, 0]
+    back = cpu_s.superchip()
+    assert back.device == DEVICE and back.nbytes() == 20
+    typed = t.storage()
+    assert typed.dtype == torch.float32 and typed.device == DEVICE and typed.size() == 5
+    clone = s.clone()
+    assert clone.data_ptr() != s.data_ptr()
+    t.zero_()
+    assert torch.empty(0, device=DEVICE).set_(clone).cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    s.copy_(clone)
+    assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+# ---- devices ----
+
+
+def test_mixed_device_error_names_both_devices():
+    a = torch.ones(3, device=DEVICE)
+    b = torch.ones(3)
+    with pytest.raises(RuntimeError) as exc:
+        a + b
+    msg = str(exc.value)
+    assert "Expected all tensors to be on the same device" in msg
+    assert "superchip:0" in msg and "cpu" in msg
+    with pytest.raises(RuntimeError, match="superchip:0"):
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2, device=DEVICE))
+
+
+def test_cpu_zero_dim_tensor_is_a_scalar():
+    a = torch.tensor([1.0, 2.0], device=DEVICE)
+    res = a * torch.tensor(3.0)
+    assert res.device == DEVICE
+    torch.testing.assert_close(res.cpu(), torch.tensor([3.0, 6.0]))
+    res2 = torch.tensor(2.0) + a
+    assert res2.device == DEVICE
+    torch.testing.assert_close(res2.cpu(), torch.tensor([3.0, 4.0]))
+    a.add_(torch.tensor(1.0))
+    torch.testing.assert_close(a.cpu(), torch.tensor([2.0, 3.0]))
