@@ -13,6 +13,7 @@ machine, cpu otherwise). Exits with status 1 if the loss did not decrease.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -39,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--tie-weights", action="store_true",
                    help="share the LM head's weight with the token embedding")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--optimizer", choices=("torch", "superchip"), default="torch",
@@ -136,10 +138,18 @@ def main(argv=None) -> int:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine down to 10%
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
     print(f"superchip demo: {model.num_params():,}-parameter GPT ({cfg.n_layer} layers, "
           f"d={cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}), "
           f"batch {args.batch_size}, {args.steps} steps, {args.optimizer}.optim.AdamW "
-          f"lr {args.lr}")
+          f"lr {args.lr} (warm-up {args.warmup}, cosine)")
     print(f"device {device}, executor {executor_description()}, torch {torch.__version__}")
 
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
@@ -160,6 +170,7 @@ def main(argv=None) -> int:
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
+        sched.step()
         loss_value = loss.item()  # also waits for the step's kernels, so the rate is honest
         elapsed = time.perf_counter() - t_start
         progress.update(step, loss_value, step * tokens_per_step / elapsed)

@@ -163,6 +163,16 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::_local_scalar_dense(executor_alias(self));
 }
 
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
+  auto dense = [](const at::Tensor& t) {
+    const c10::DeviceType d = t.device().type();
+    return t.layout() == c10::kStrided && !t.is_quantized() && !t.is_nested() &&
+           (d == c10::DeviceType::PrivateUse1 || d == c10::DeviceType::CPU || d == c10::DeviceType::CUDA);
+  };
+  return dense(self) && dense(from);
+}
+
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,

@@ -33,6 +33,9 @@ at::Tensor& set_empty(at::Tensor& self);
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking);
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst);
 c10::Scalar local_scalar_dense(const at::Tensor& self);
+// Module.to("superchip") keeps parameter identity (and weight tying) through `.data =`,
+// which asks this; c10 counts only its own dense backends as compatible.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from);
 // Convolutions reach a PrivateUse1 device through these two "overrideable" ops.
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,

@@ -63,8 +63,8 @@ struct AdamArrays {
 };
 
 // Runs on `path` (must be supported, else std::invalid_argument); with a pool, the range is
-// split across its threads at 64-byte boundaries of `param`. Results do not depend on the
-// path, the pool or the alignment. Invalid arguments (n < 0, a missing array, step < 1,
+// split across its threads at 64-byte boundaries of `param` (under 64Ki elements it runs on
+// the calling thread). Results do not depend on the path, the pool or the alignment. Invalid arguments (n < 0, a missing array, step < 1,
 // amsgrad without max_exp_avg_sq, a lowp dtype other than bf16/f16) throw
 // std::invalid_argument before anything is written.
 void adam_step(const AdamHyper& h, const AdamArrays& a, SimdPath path, ThreadPool* pool = nullptr);

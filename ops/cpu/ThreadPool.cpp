@@ -26,7 +26,8 @@ struct ThreadPool::Job {
   int64_t begin(int64_t c) const { return n * c / chunks; }
 };
 
-ThreadPool::ThreadPool(int num_threads, std::vector<int> cpu_ids) : cpu_ids_(std::move(cpu_ids)) {
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpu_ids)
+    : num_threads_(num_threads), cpu_ids_(std::move(cpu_ids)) {
   if (num_threads < 1) {
     throw std::invalid_argument("ThreadPool: num_threads must be >= 1, got " +
                                 std::to_string(num_threads));

@@ -32,7 +32,7 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int num_threads() const noexcept { return static_cast<int>(workers_.size()); }
+  int num_threads() const noexcept { return num_threads_; }
   const std::vector<int>& cpu_ids() const noexcept { return cpu_ids_; }
 
   // n >= 0 (0 calls nothing), grain >= 1; see the file comment.
@@ -43,6 +43,7 @@ class ThreadPool {
   void worker_main(int index);
   static void run_chunks(Job& job);
 
+  const int num_threads_;    // fixed before any worker starts (workers_ grows meanwhile)
   std::vector<int> cpu_ids_;
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;  // one parallel_for at a time
