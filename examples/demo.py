@@ -38,9 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--tie-weights", action="store_true",
-                   help="share the LM head's weight with the token embedding")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--untied", action="store_true",
+                   help="give the LM head its own weight instead of the token embedding's")
+    p.add_argument("--lr", type=float, default=4e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     data = tok.encode(TEXT)
     cfg = GPTConfig(vocab_size=tok.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, d_model=args.d_model, dropout=args.dropout,
-                    tie_weights=args.tie_weights)
+                    tie_weights=not args.untied)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     if args.optimizer == "superchip":

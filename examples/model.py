@@ -26,9 +26,7 @@ class GPTConfig:
     d_model: int = 128
     mlp_ratio: int = 4
     dropout: float = 0.0
-    # Untied by default: Module.to("superchip") currently gives each module its own copy of a
-    # shared parameter (see test_to_superchip_keeps_tied_weights in test_training_parity.py).
-    tie_weights: bool = False
+    tie_weights: bool = True
 
 
 class CausalSelfAttention(nn.Module):

@@ -30,6 +30,18 @@ if torch._C._get_privateuse1_backend_name() != "superchip":
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
 
 from .device import _index  # noqa: E402
+
+# Note [Autograd worker at exit]
+# Backward on superchip tensors runs on torch's autograd worker thread for the device. After
+# backward() returns, that worker may still hold the last reference to the finished graph task
+# for a few microseconds; if the interpreter is already finalizing when it drops it, the
+# task's thread-local state decrefs a Python object without being able to take the GIL and
+# the process aborts ("terminate called without an active exception"). Giving the worker a
+# moment before finalization closes the window; it costs 20 ms at exit.
+import atexit as _atexit  # noqa: E402
+import time as _time  # noqa: E402
+
+_atexit.register(_time.sleep, 0.02)
 from . import optim  # noqa: E402,F401
 
 __all__ = [
