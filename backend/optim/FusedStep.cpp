@@ -19,21 +19,6 @@ namespace {
 // thread gets several items on a billion-parameter model; a multiple of 64 bytes of fp32.
 constexpr int64_t kChunk = 1 << 16;
 
-ops::ThreadPool& pool() {
-  static std::unique_ptr<ops::ThreadPool> p = [] {
-    const Topology& topo = Topology::get();
-    const NumaNode& node = topo.nodes()[topo.nearest_node(
-        cuda_pci_bus_id(executor() == Executor::kCuda ? current_device() : -1))];
-    int threads = static_cast<int>(node.cpus.size());
-    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS")) {
-      const int v = std::atoi(env);
-      TORCH_CHECK(v > 0, "SUPERCHIP_OPTIM_THREADS must be a positive integer, got '", env, "'.");
-      threads = v;
-    }
-    return std::make_unique<ops::ThreadPool>(std::max(1, threads), node.cpus);
-  }();
-  return *p;
-}
 
 ops::DType dtype_of(const at::Tensor& t, const char* what, size_t i) {
   switch (t.scalar_type()) {
@@ -119,7 +104,23 @@ void* at_offset_dtype(void* base, ops::DType d, int64_t i) {
 
 }  // namespace
 
-int optimizer_threads() { return pool().num_threads(); }
+ops::ThreadPool& optimizer_pool() {
+  static std::unique_ptr<ops::ThreadPool> p = [] {
+    const Topology& topo = Topology::get();
+    const NumaNode& node = topo.nodes()[topo.nearest_node(
+        cuda_pci_bus_id(executor() == Executor::kCuda ? current_device() : -1))];
+    int threads = static_cast<int>(node.cpus.size());
+    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS")) {
+      const int v = std::atoi(env);
+      TORCH_CHECK(v > 0, "SUPERCHIP_OPTIM_THREADS must be a positive integer, got '", env, "'.");
+      threads = v;
+    }
+    return std::make_unique<ops::ThreadPool>(std::max(1, threads), node.cpus);
+  }();
+  return *p;
+}
+
+int optimizer_threads() { return optimizer_pool().num_threads(); }
 
 const char* optimizer_simd_path() { return ops::simd_path_name(ops::active_simd_path()); }
 
@@ -168,7 +169,7 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
     }
   }
   const std::vector<Item> items = cut(sizes);
-  pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Item& it = items[k];
       const ops::AdamArrays& a = arrays[it.tensor];
@@ -229,7 +230,7 @@ void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
     }
   }
   const std::vector<Item> items = cut(sizes);
-  pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Item& it = items[k];
       const ops::SgdArrays& a = arrays[it.tensor];

@@ -35,6 +35,11 @@ struct SgdGroup {
 
 void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper);
 
+namespace ops {
+class ThreadPool;
+}
+// The optimizer's thread pool (created on first use), pinned to the GPU-local NUMA node.
+ops::ThreadPool& optimizer_pool();
 // Threads of the optimizer pool (SUPERCHIP_OPTIM_THREADS, or the cores of the GPU-local node).
 int optimizer_threads();
 // The SIMD path the kernels take (SUPERCHIP_SIMD forces one).

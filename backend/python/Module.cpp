@@ -10,6 +10,7 @@
 
 #include "allocator/Topology.h"
 #include "backend/optim/FusedStep.h"
+#include "ops/cpu/Bandwidth.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -164,6 +165,19 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release no_gil;
           fused_sgd_step(g, h);
         });
+  m.def("_stream_triad_inplace", [](at::Tensor& a, const at::Tensor& b, double s) {
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&a), &b}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == a.numel(),
+                  "superchip._C._stream_triad_inplace: expects two contiguous float32 CPU "
+                  "tensors of one size.");
+    }
+    float* pa = a.data_ptr<float>();
+    const float* pb = b.data_ptr<float>();
+    const int64_t n = a.numel();
+    py::gil_scoped_release no_gil;
+    ops::stream_triad_inplace(pa, pb, static_cast<float>(s), n, &optimizer_pool());
+  });
   m.def("_optimizer_threads", &optimizer_threads);
   m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
   m.def("_topology", [] { return Topology::get().describe(); });
