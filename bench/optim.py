@@ -15,8 +15,11 @@ parameters) it measures, interleaved and repeated (median):
                parameters, fp32 masters stepped by the fused AdamW, grads cast up and the
                parameters cast back (two extra passes).
 
+  floor        the AdamW traffic with no arithmetic (read p, g, m, v; write p, m, v), timed
+               alternately with each variant: the bandwidth floor of a fused fp32 step.
+
 Printed: seconds per step, parameters per second, bytes moved per second (28 B/param), the
-fraction of the triad bandwidth, and ratios to each torch baseline.
+fraction of the floor (floor time / variant time), and ratios to each torch baseline.
 
     python bench/optim.py [--sizes 24 26 28] [--reps 5] [--json out.json]
 """
@@ -116,6 +119,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def paired(fn, floor, reps: int) -> tuple[float, float]:
+    """Median seconds of fn and of the floor kernel, measured alternately (noise hits both)."""
+    fn()
+    floor()
+    t_fn, t_floor = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        floor()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        t_floor.append(t1 - t0)
+        t_fn.append(t2 - t1)
+    return statistics.median(t_fn), statistics.median(t_floor)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[24, 26, 28],
@@ -130,39 +149,47 @@ def main() -> None:
           f"commit {git_commit()}")
     print(f"superchip optimizer: {superchip._C._optimizer_threads()} threads, "
           f"SIMD path {superchip._C._optimizer_simd_path()} | torch threads {torch.get_num_threads()}")
+    variants = {
+        "ours fp32": lambda n: case_ours(n, torch.float32),
+        "ours bf16": lambda n: case_ours(n, torch.bfloat16),
+        "torch fused": lambda n: case_torch(n, fused=True),
+        "torch fused mixed": case_torch_mixed,
+    }
+    if not args.skip_torch_default:
+        variants["torch"] = lambda n: case_torch(n, fused=False)
     results = []
     for log2 in args.sizes:
         total = 1 << log2
-        cases = {
-            "triad": triad(total),
-            "ours fp32": case_ours(total, torch.float32),
-            "ours bf16": case_ours(total, torch.bfloat16),
-            "torch fused": case_torch(total, fused=True),
-            "torch fused mixed": case_torch_mixed(total),
-        }
-        if not args.skip_torch_default:
-            cases["torch"] = case_torch(total, fused=False)
-        times = {name: time_it(fn, args.reps) for name, fn in cases.items()}
-        del cases
-        bw = 12 * total / times["triad"]
-        print(f"\n2^{log2} elements ({total:,}); triad bandwidth {bw / 1e9:.1f} GB/s")
-        print(f"  {'variant':<18} {'s/step':>9} {'Mparam/s':>9} {'GB/s':>7} {'of triad':>8}"
+        bw = 12 * total / time_it(triad(total), args.reps)
+        floor_arrays = [torch.rand(total) for _ in range(4)]
+        floor = lambda: superchip._C._adam_traffic_floor(*floor_arrays)  # noqa: E731
+        times, floors = {}, {}
+        for name, make in variants.items():
+            step = make(total)  # one variant's tensors at a time: 2^28 elements is 4 GiB each
+            times[name], floors[name] = paired(step, floor, args.reps)
+            del step
+        del floor_arrays
+        floor_bw = BYTES_PER_PARAM * total / statistics.median(floors.values())
+        print(f"\n2^{log2} elements ({total:,}): triad {bw / 1e9:.1f} GB/s, "
+              f"AdamW traffic floor {floor_bw / 1e9:.1f} GB/s ({BYTES_PER_PARAM} B/param)")
+        print(f"  {'variant':<18} {'s/step':>9} {'Mparam/s':>9} {'GB/s':>7} {'of floor':>8}"
               f" {'vs torch fused':>15} {'vs torch':>9}")
-        row = {"log2": log2, "triad_GBps": bw / 1e9, "variants": {}}
+        row = {"log2": log2, "triad_GBps": bw / 1e9, "floor_GBps": floor_bw / 1e9, "variants": {}}
         for name, t in times.items():
-            if name == "triad":
-                continue
             gbps = BYTES_PER_PARAM * total / t
             ref = times["torch fused mixed"] if name == "ours bf16" else times["torch fused"]
             vs_default = times.get("torch")
+            of_floor = floors[name] / t
             print(f"  {name:<18} {t:>9.4f} {total / t / 1e6:>9.1f} {gbps / 1e9:>7.1f}"
-                  f" {gbps / bw:>8.2f} {ref / t:>14.2f}x"
+                  f" {of_floor:>8.2f} {ref / t:>14.2f}x"
                   f" {(vs_default / t if vs_default else float('nan')):>8.2f}x")
             row["variants"][name] = {"s_per_step": t, "params_per_s": total / t,
-                                     "GBps": gbps / 1e9, "fraction_of_triad": gbps / bw,
+                                     "GBps": gbps / 1e9, "fraction_of_floor": of_floor,
                                      "speedup_vs_matching_torch_fused": ref / t}
         results.append(row)
-    print("\n'vs torch fused' compares ours bf16 with the torch fused mixed-precision recipe and "
+    print("\n'of floor': the AdamW traffic floor's time (same 28 B/param, no arithmetic, same "
+          "threads, timed alternately with the variant) over the variant's time.")
+    print("'vs torch fused' compares ours bf16 with the torch fused mixed-precision recipe and "
           "every other variant with torch fused fp32.")
     if args.json:
         with open(args.json, "w") as f:

@@ -178,6 +178,22 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     ops::stream_triad_inplace(pa, pb, static_cast<float>(s), n, &optimizer_pool());
   });
+  m.def("_adam_traffic_floor", [](at::Tensor& p, const at::Tensor& g, at::Tensor& m1, at::Tensor& m2) {
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m1),
+                                static_cast<const at::Tensor*>(&m2)}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == p.numel(),
+                  "superchip._C._adam_traffic_floor: expects four contiguous float32 CPU tensors "
+                  "of one size.");
+    }
+    float* pp = p.data_ptr<float>();
+    const float* pg = g.data_ptr<float>();
+    float* pm = m1.data_ptr<float>();
+    float* pv = m2.data_ptr<float>();
+    const int64_t n = p.numel();
+    py::gil_scoped_release no_gil;
+    ops::adam_traffic_floor(pp, pg, pm, pv, n, &optimizer_pool());
+  });
   m.def("_optimizer_threads", &optimizer_threads);
   m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
   m.def("_topology", [] { return Topology::get().describe(); });

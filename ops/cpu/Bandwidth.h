@@ -14,4 +14,10 @@ class ThreadPool;
 
 void stream_triad_inplace(float* a, const float* b, float s, int64_t n, ThreadPool* pool = nullptr);
 
+// The optimizer's own traffic with next to no arithmetic: reads p, g, m, v and writes p, m, v
+// (28 bytes per element, what a fused fp32 AdamW step must move). Its time is the floor an
+// AdamW kernel is judged against on this machine.
+void adam_traffic_floor(float* p, const float* g, float* m, float* v, int64_t n,
+                        ThreadPool* pool = nullptr);
+
 }  // namespace superchip::ops

@@ -26,5 +26,21 @@ TEST(Bandwidth, TriadMatchesLoopAtAllSizes) {
   }
 }
 
+TEST(Bandwidth, AdamTrafficFloorTouchesEveryElement) {
+  ThreadPool pool(2);
+  for (int64_t n : {0, 1, 17, (1 << 14) + 3, 2 * (1 << 14)}) {
+    std::vector<float> p(n + 1, 1.0f), g(n, 2.0f), m(n + 1, 0.0f), v(n + 1, 5.0f);
+    adam_traffic_floor(p.data(), g.data(), m.data(), v.data(), n, &pool);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(p[i], 1.0f + 1e-3f * 2.0f);
+      ASSERT_EQ(m[i], 2.0f);
+      ASSERT_EQ(v[i], 7.0f);
+    }
+    EXPECT_EQ(p[n], 1.0f);
+    EXPECT_EQ(m[n], 0.0f);
+    EXPECT_EQ(v[n], 5.0f);
+  }
+}
+
 }  // namespace
 }  // namespace superchip::ops
