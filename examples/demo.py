@@ -4,8 +4,9 @@
     python examples/demo.py --steps 30      # a quick check
     python examples/demo.py --device cpu    # the same run on plain PyTorch CPU, for comparison
 
-The training loop is plain PyTorch; the only superchip-specific lines are `import superchip`
-and `.to("superchip")`. At the end it prints the loss before and after training, a greedy
+The training loop is plain PyTorch; the superchip-specific lines are `import superchip`,
+`.to("superchip")` and the optimizer, `superchip.optim.AdamW` (a drop-in for
+torch.optim.AdamW whose state lives in the host tier; `--optimizer torch` uses torch's). At the end it prints the loss before and after training, a greedy
 sample, the memory of each tier and the executor that ran the kernels (cuda on a GPU
 machine, cpu otherwise). Exits with status 1 if the loss did not decrease.
 """
@@ -44,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--optimizer", choices=("torch", "superchip"), default="torch",
-                   help="torch.optim.AdamW (default) or its drop-in superchip.optim.AdamW")
+    p.add_argument("--optimizer", choices=("torch", "superchip"), default="superchip",
+                   help="superchip.optim.AdamW (default: fused CPU step, state in the host "
+                        "tier) or torch.optim.AdamW")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="superchip")
     p.add_argument("--log-every", type=int, default=25,
