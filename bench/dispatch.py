@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,30 +40,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 from data import CharTokenizer, TEXT, get_batch  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from benchinfo import cpu_model, git_commit  # noqa: E402
+
 
 # ---- machine ----------------------------------------------------------------------------
-
-def git_commit() -> str:
-    try:
-        head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"],
-                               stderr=subprocess.DEVNULL).returncode != 0
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def machine_info() -> dict:
     info = {

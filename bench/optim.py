@@ -29,14 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
 
 import superchip
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchinfo import cpu_model, git_commit  # noqa: E402
 
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32); the bf16 variant stays at 28
 
@@ -97,26 +99,6 @@ def case_torch_mixed(total: int):
                 p.copy_(m)
 
     return step
-
-
-def git_commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.check_output(["git", "-C", here, "rev-parse", "--short", "HEAD"],
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def paired(fn, floor, reps: int) -> tuple[float, float]:

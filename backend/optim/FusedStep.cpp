@@ -102,6 +102,69 @@ void* at_offset_dtype(void* base, ops::DType d, int64_t i) {
   return base ? const_cast<void*>(at_offset_dtype(static_cast<const void*>(base), d, i)) : nullptr;
 }
 
+// Parameter (fp32 itself, or fp32 master + low-precision copy) and gradient fields, which
+// AdamArrays and SgdArrays share; operands that must be staged are kept in `operands`.
+template <typename Arrays>
+void bind_param_and_grad(Arrays& a, size_t i, const at::Tensor& p, const at::Tensor& grad,
+                         const std::optional<at::Tensor>& master, std::vector<HostOperand>& operands) {
+  TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
+              grad.numel(), " elements, the parameter ", p.numel(), ".");
+  a.n = p.numel();
+  const ops::DType pd = dtype_of(p, "parameter", i);
+  a.grad_dtype = dtype_of(grad, "gradient", i);
+  operands.emplace_back(grad, /*written=*/false);
+  a.grad = operands.back().data();
+  operands.emplace_back(p, /*written=*/true);
+  if (pd == ops::DType::kF32) {
+    a.param = static_cast<float*>(operands.back().data());
+    return;
+  }
+  TORCH_CHECK(master.has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
+              " has no fp32 master weight.");
+  check_state(*master, p, "master_param", i);
+  a.param = master->data_ptr<float>();
+  a.param_lowp = operands.back().data();
+  a.lowp_dtype = pd;
+}
+
+ops::AdamArrays slice(const ops::AdamArrays& a, int64_t begin, int64_t end) {
+  ops::AdamArrays s = a;
+  s.param = at_offset<float>(a.param, begin);
+  s.exp_avg = at_offset<float>(a.exp_avg, begin);
+  s.exp_avg_sq = at_offset<float>(a.exp_avg_sq, begin);
+  s.max_exp_avg_sq = at_offset<float>(a.max_exp_avg_sq, begin);
+  s.grad = at_offset_dtype(a.grad, a.grad_dtype, begin);
+  s.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, begin);
+  s.n = end - begin;
+  return s;
+}
+
+ops::SgdArrays slice(const ops::SgdArrays& a, int64_t begin, int64_t end) {
+  ops::SgdArrays s = a;
+  s.param = at_offset<float>(a.param, begin);
+  s.momentum_buffer = at_offset<float>(a.momentum_buffer, begin);
+  s.grad = at_offset_dtype(a.grad, a.grad_dtype, begin);
+  s.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, begin);
+  s.n = end - begin;
+  return s;
+}
+
+// Cuts every parameter into chunks and runs step(parameter index, chunk) over the pool.
+template <typename Arrays, typename StepFn>
+void run_chunked(const std::vector<Arrays>& arrays, const StepFn& step) {
+  std::vector<int64_t> sizes;
+  sizes.reserve(arrays.size());
+  for (const Arrays& a : arrays) sizes.push_back(a.n);
+  const std::vector<Item> items = cut(sizes);
+  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const Item& it = items[k];
+      step(it.tensor, slice(arrays[it.tensor], it.begin, it.end));
+    }
+  });
+}
+
+
 }  // namespace
 
 ops::ThreadPool& optimizer_pool() {
@@ -129,35 +192,13 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
                   g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
               "superchip.optim: internal error: ragged Adam group");
-  const ops::SimdPath path = ops::active_simd_path();
   std::vector<ops::AdamArrays> arrays(n);
   std::vector<HostOperand> operands;
-  operands.reserve(3 * n);
-  std::vector<int64_t> sizes(n);
+  operands.reserve(2 * n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = g.params[i];
-    const at::Tensor& grad = g.grads[i];
-    TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
-                grad.numel(), " elements, the parameter ", p.numel(), ".");
     ops::AdamArrays& a = arrays[i];
-    a.n = p.numel();
-    sizes[i] = a.n;
-    const ops::DType pd = dtype_of(p, "parameter", i);
-    a.grad_dtype = dtype_of(grad, "gradient", i);
-    operands.emplace_back(grad, /*written=*/false);
-    a.grad = operands.back().data();
-    if (pd == ops::DType::kF32) {
-      operands.emplace_back(p, /*written=*/true);
-      a.param = static_cast<float*>(operands.back().data());
-    } else {
-      TORCH_CHECK(g.masters[i].has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
-                  " has no fp32 master weight.");
-      check_state(*g.masters[i], p, "master_param", i);
-      a.param = g.masters[i]->data_ptr<float>();
-      operands.emplace_back(p, /*written=*/true);
-      a.param_lowp = operands.back().data();
-      a.lowp_dtype = pd;
-    }
+    bind_param_and_grad(a, i, p, g.grads[i], g.masters[i], operands);
     check_state(g.exp_avgs[i], p, "exp_avg", i);
     check_state(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
     a.exp_avg = g.exp_avgs[i].data_ptr<float>();
@@ -168,23 +209,11 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
       a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
     }
   }
-  const std::vector<Item> items = cut(sizes);
-  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
-      const Item& it = items[k];
-      const ops::AdamArrays& a = arrays[it.tensor];
-      ops::AdamHyper h = hyper;
-      h.step = g.steps[it.tensor];
-      ops::AdamArrays sub = a;
-      sub.param = at_offset<float>(a.param, it.begin);
-      sub.exp_avg = at_offset<float>(a.exp_avg, it.begin);
-      sub.exp_avg_sq = at_offset<float>(a.exp_avg_sq, it.begin);
-      sub.max_exp_avg_sq = at_offset<float>(a.max_exp_avg_sq, it.begin);
-      sub.grad = at_offset_dtype(a.grad, a.grad_dtype, it.begin);
-      sub.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, it.begin);
-      sub.n = it.end - it.begin;
-      ops::adam_step(h, sub, path, nullptr);
-    }
+  const ops::SimdPath path = ops::active_simd_path();
+  run_chunked(arrays, [&](size_t i, const ops::AdamArrays& chunk) {
+    ops::AdamHyper h = hyper;
+    h.step = g.steps[i];
+    ops::adam_step(h, chunk, path, nullptr);
   });
   for (HostOperand& o : operands) o.write_back();
 }
@@ -194,56 +223,23 @@ void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
                   g.first_steps.size() == n,
               "superchip.optim: internal error: ragged SGD group");
-  const ops::SimdPath path = ops::active_simd_path();
   std::vector<ops::SgdArrays> arrays(n);
   std::vector<HostOperand> operands;
   operands.reserve(2 * n);
-  std::vector<int64_t> sizes(n);
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = g.params[i];
-    const at::Tensor& grad = g.grads[i];
-    TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
-                grad.numel(), " elements, the parameter ", p.numel(), ".");
     ops::SgdArrays& a = arrays[i];
-    a.n = p.numel();
-    sizes[i] = a.n;
-    const ops::DType pd = dtype_of(p, "parameter", i);
-    a.grad_dtype = dtype_of(grad, "gradient", i);
-    operands.emplace_back(grad, /*written=*/false);
-    a.grad = operands.back().data();
-    if (pd == ops::DType::kF32) {
-      operands.emplace_back(p, /*written=*/true);
-      a.param = static_cast<float*>(operands.back().data());
-    } else {
-      TORCH_CHECK(g.masters[i].has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
-                  " has no fp32 master weight.");
-      check_state(*g.masters[i], p, "master_param", i);
-      a.param = g.masters[i]->data_ptr<float>();
-      operands.emplace_back(p, /*written=*/true);
-      a.param_lowp = operands.back().data();
-      a.lowp_dtype = pd;
-    }
+    bind_param_and_grad(a, i, g.params[i], g.grads[i], g.masters[i], operands);
     if (hyper.momentum != 0.0) {
       TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
-      check_state(*g.momentum_buffers[i], p, "momentum_buffer", i);
+      check_state(*g.momentum_buffers[i], g.params[i], "momentum_buffer", i);
       a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
     }
   }
-  const std::vector<Item> items = cut(sizes);
-  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
-      const Item& it = items[k];
-      const ops::SgdArrays& a = arrays[it.tensor];
-      ops::SgdHyper h = hyper;
-      h.first_step = g.first_steps[it.tensor];
-      ops::SgdArrays sub = a;
-      sub.param = at_offset<float>(a.param, it.begin);
-      sub.momentum_buffer = at_offset<float>(a.momentum_buffer, it.begin);
-      sub.grad = at_offset_dtype(a.grad, a.grad_dtype, it.begin);
-      sub.param_lowp = at_offset_dtype(a.param_lowp, a.lowp_dtype, it.begin);
-      sub.n = it.end - it.begin;
-      ops::sgd_step(h, sub, path, nullptr);
-    }
+  const ops::SimdPath path = ops::active_simd_path();
+  run_chunked(arrays, [&](size_t i, const ops::SgdArrays& chunk) {
+    ops::SgdHyper h = hyper;
+    h.first_step = g.first_steps[i];
+    ops::sgd_step(h, chunk, path, nullptr);
   });
   for (HostOperand& o : operands) o.write_back();
 }

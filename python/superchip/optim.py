@@ -59,6 +59,14 @@ def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None) -> torch.
     return values.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(p.shape)
 
 
+def _evaluate(closure):
+    """The closure's loss, computed with autograd on (step() runs under no_grad)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _check_param(cls: str, p: torch.Tensor) -> None:
     if p.dtype not in _SUPPORTED:
         raise TypeError(
@@ -145,10 +153,7 @@ class Adam(_FusedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         name = type(self).__name__
         for group in self.param_groups:
             _reject_unsupported(name, differentiable=group.get("differentiable", False),
@@ -220,10 +225,7 @@ class SGD(_FusedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             momentum = float(group["momentum"])
             params, grads, masters, buffers, first = [], [], [], [], []
