@@ -65,6 +65,7 @@ at::Tensor superchip_tensor(c10::Storage storage, const at::Tensor& like) {
 // ---- per-operator facts, computed once per schema and thread ----
 
 struct OpFacts {
+  c10::OperatorName name{"", ""};    // what the cached facts describe
   std::vector<int> generator_args;   // positions of Generator? arguments
   std::vector<int> device_args;      // positions of Device? arguments
   std::vector<bool> mutable_args;    // per argument: written by the op (alias_info is_write)
@@ -75,8 +76,15 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
   thread_local std::unordered_map<const c10::FunctionSchema*, OpFacts> cache;
   const c10::FunctionSchema& schema = op.schema();
   auto it = cache.find(&schema);
-  if (it != cache.end()) return it->second;
+  // A schema address can be reused after a Python-registered op is deregistered: the entry
+  // counts only if it describes an op of the same name and arity.
+  if (it != cache.end() && it->second.mutable_args.size() == schema.arguments().size() &&
+      it->second.name == schema.operator_name()) {
+    return it->second;
+  }
+  if (it != cache.end()) cache.erase(it);
   OpFacts f;
+  f.name = schema.operator_name();
   const auto& args = schema.arguments();
   f.mutable_args.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {
@@ -242,6 +250,9 @@ class ForwardedCall {
       if (p.alias.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) return p.original;
     }
     if (r.device().type() != executor_device_type()) return r;
+    TORCH_CHECK(r.layout() == c10::kStrided, op_.schema().name(), " on superchip would return a ",
+                r.layout(), " tensor; superchip holds dense (strided) tensors only. Run sparse "
+                "work on the cpu: move the tensor with .cpu() first.");
     // Several results may view one fresh executor storage: adopt it once, share it.
     c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
     if (aliased_superchip_storage(r.storage()) == nullptr) {

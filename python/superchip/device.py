@@ -123,6 +123,19 @@ def max_memory_allocated(device=None) -> int:
     return _C._memory_stats(_index(device))["hbm.peak_allocated_bytes"]
 
 
+def max_memory_reserved(device=None) -> int:
+    return _C._memory_stats(_index(device))["hbm.peak_reserved_bytes"]
+
+
+def memory_stats(device=None) -> dict:
+    """Per-tier statistics; the same dict as superchip.memory_stats()."""
+    return _C._memory_stats(_index(device))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _C._reset_peak_memory_stats(_index(device))
+
+
 def memory_reserved(device=None) -> int:
     return _C._memory_stats(_index(device))["hbm.reserved_bytes"]
 
