@@ -70,7 +70,6 @@ MemoryManager& pinned_memory() {
   static MemoryManager* m = [] {
     MemoryConfig cfg;
     cfg.cuda = false;
-    cfg.pin_host = executor() == Executor::kCuda;
     return new MemoryManager(cfg);  // leaked on purpose: outlives every tensor
   }();
   return *m;

@@ -55,8 +55,8 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes);
 // Turns a MemoryManager OutOfTierMemory into torch.OutOfMemoryError (same message).
 [[noreturn]] void rethrow_as_torch_oom(const OutOfTierMemory& e);
 
-// The allocator behind pin_memory=True when superchip is the accelerator: host memory
-// (cudaHostRegister'ed with the CUDA executor) with DataPtrs of device cpu.
+// The allocator behind pin_memory=True when superchip is the accelerator and the executor is
+// the CPU (the CUDA executor uses CUDA's pinned allocator): host memory, device cpu.
 c10::Allocator* pinned_allocator();
 bool is_pinned_ptr(const void* ptr);
 

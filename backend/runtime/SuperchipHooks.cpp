@@ -1,5 +1,6 @@
 #include "backend/runtime/SuperchipHooks.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 
 #include "backend/runtime/Runtime.h"
@@ -27,9 +28,17 @@ at::Device SuperchipHooks::getDeviceFromPtr(void* data) const {
   return {c10::DeviceType::PrivateUse1, current_device()};
 }
 
-bool SuperchipHooks::isPinnedPtr(const void* data) const { return is_pinned_ptr(data); }
+// With the CUDA executor, pinned memory is CUDA's own page-locked host allocator, so
+// non_blocking copies get its event tracking; emulated, the superchip pinned pool.
+bool SuperchipHooks::isPinnedPtr(const void* data) const {
+  if (executor() == Executor::kCuda) return at::detail::getCUDAHooks().isPinnedPtr(data);
+  return is_pinned_ptr(data);
+}
 
-at::Allocator* SuperchipHooks::getPinnedMemoryAllocator() const { return pinned_allocator(); }
+at::Allocator* SuperchipHooks::getPinnedMemoryAllocator() const {
+  if (executor() == Executor::kCuda) return at::detail::getCUDAHooks().getPinnedMemoryAllocator();
+  return pinned_allocator();
+}
 
 bool SuperchipHooks::hasPrimaryContext(c10::DeviceIndex device_index) const {
   return device_index >= 0 && device_index < device_count();
