@@ -22,4 +22,22 @@ std::string cuda_pci_bus_id(int device) {
 #endif
 }
 
+std::pair<size_t, size_t> cuda_memory_info(int device) {
+#ifdef SUPERCHIP_HAVE_CUDA
+  int previous = 0;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess ||
+      cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaSetDevice(previous);
+    return {0, 0};
+  }
+  (void)cudaSetDevice(previous);
+  return {free_bytes, total_bytes};
+#else
+  (void)device;
+  return {0, 0};
+#endif
+}
+
 }  // namespace superchip

@@ -32,6 +32,8 @@ struct TierStats {
   int64_t reserved_bytes = 0;        // bytes obtained from the backing (live + cached) + external
   int64_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset_peak()
   int64_t peak_reserved_bytes = 0;   // max of reserved_bytes since the last reset_peak()
+  int64_t peak_requested_bytes = 0;  // max of requested_bytes since the last reset_peak()
+  int64_t peak_active_allocations = 0;  // max of active_allocations since the last reset_peak()
   int64_t capacity_bytes = 0;        // budget; 0 = unlimited
   int64_t external_bytes = 0;        // adopted memory accounted through account_external()
   int64_t active_allocations = 0;    // live blocks + live external accounts

@@ -182,6 +182,8 @@ void TierAllocator::grow(int64_t allocated, int64_t requested, int64_t reserved)
   stats_.active_allocations++;
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
+  stats_.peak_active_allocations = std::max(stats_.peak_active_allocations, stats_.active_allocations);
 }
 
 // ---- queries and maintenance ----
@@ -211,6 +213,8 @@ void TierAllocator::reset_peak() noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
+  stats_.peak_requested_bytes = stats_.requested_bytes;
+  stats_.peak_active_allocations = stats_.active_allocations;
 }
 
 void TierAllocator::reset_accumulated() noexcept {
@@ -293,6 +297,10 @@ void TierAllocator::check_invariants() const {
   }
   if (s.peak_allocated_bytes < s.allocated_bytes) fail("peak_allocated_bytes >= allocated_bytes");
   if (s.peak_reserved_bytes < s.reserved_bytes) fail("peak_reserved_bytes >= reserved_bytes");
+  if (s.peak_requested_bytes < s.requested_bytes) fail("peak_requested_bytes >= requested_bytes");
+  if (s.peak_active_allocations < s.active_allocations) {
+    fail("peak_active_allocations >= active_allocations");
+  }
   if (s.external_bytes < 0 || external_accounts_ < 0) fail("external_bytes, accounts >= 0");
   if (s.num_allocs < 0 || s.num_frees < 0 || s.num_cache_hits < 0 || s.num_ooms < 0 ||
       s.num_cache_hits > s.num_allocs) {

@@ -40,5 +40,8 @@ class Topology {
 // PCI bus id ("0000:41:00.0") of CUDA device `device`; "" when device < 0, in builds
 // without CUDA, or when the runtime cannot answer (no driver, no GPU). Never throws.
 std::string cuda_pci_bus_id(int device);
+// (free, total) bytes of CUDA device `device` (cudaMemGetInfo); (0, 0) when the runtime cannot
+// answer or the build has no CUDA. Never throws.
+std::pair<size_t, size_t> cuda_memory_info(int device);
 
 }  // namespace superchip

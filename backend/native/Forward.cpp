@@ -126,7 +126,7 @@ class ForwardedCall {
   }
 
  private:
-  void note_device(const at::Tensor& t) {
+  void note_device(const at::Tensor& t, bool mutated) {
     if (!t.defined()) return;
     const c10::Device d = t.device();
     if (d.type() == c10::DeviceType::PrivateUse1) {
@@ -137,21 +137,23 @@ class ForwardedCall {
                     "at least two devices, superchip:", int(device_), " and ", d, "! (in ",
                     op_.schema().name(), "). Move them to one device with .to().");
       }
-    } else if (!(t.dim() == 0 && d.is_cpu()) && !facts_.allows_cpu_operands) {
+    } else if (mutated || (!(t.dim() == 0 && d.is_cpu()) && !facts_.allows_cpu_operands)) {
+      // A CPU 0-dim tensor is accepted as a scalar operand, never as an output (as on CUDA).
       foreign_ = d;
     }
   }
 
   void find_device() {
-    for (size_t i = first_; i < stack_->size(); ++i) {
-      const c10::IValue& v = (*stack_)[i];
+    for (size_t k = 0; k < num_args_; ++k) {
+      const c10::IValue& v = (*stack_)[first_ + k];
+      const bool mutated = facts_.mutable_args[k];
       if (v.isTensor()) {
-        note_device(v.toTensor());
+        note_device(v.toTensor(), mutated);
       } else if (v.isTensorList()) {
-        for (const at::Tensor& t : v.toTensorList()) note_device(t);
+        for (const at::Tensor& t : v.toTensorList()) note_device(t, mutated);
       } else if (v.isList()) {
         for (const c10::IValue& e : v.toListRef()) {
-          if (e.isTensor()) note_device(e.toTensor());
+          if (e.isTensor()) note_device(e.toTensor(), mutated);
         }
       }
     }

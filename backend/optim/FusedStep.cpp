@@ -1,6 +1,7 @@
 #include "backend/optim/FusedStep.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -102,6 +103,19 @@ void* at_offset_dtype(void* base, ops::DType d, int64_t i) {
   return base ? const_cast<void*>(at_offset_dtype(static_cast<const void*>(base), d, i)) : nullptr;
 }
 
+// With the CUDA executor, kernels that wrote optimizer operands (gradients, state created or
+// loaded by forwarded ops, host-tier memory included) may still be running; the CPU kernels
+// read those bytes directly, so the devices of the parameters are synchronised first.
+void wait_for_executor(const std::vector<at::Tensor>& params) {
+  if (executor() != Executor::kCuda) return;
+  std::vector<bool> done(static_cast<size_t>(device_count()), false);
+  for (const at::Tensor& p : params) {
+    if (p.device().type() != c10::DeviceType::PrivateUse1 || done[p.device().index()]) continue;
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->synchronizeDevice(p.device().index());
+    done[p.device().index()] = true;
+  }
+}
+
 // Parameter (fp32 itself, or fp32 master + low-precision copy) and gradient fields, which
 // AdamArrays and SgdArrays share; operands that must be staged are kept in `operands`.
 template <typename Arrays>
@@ -188,6 +202,7 @@ int optimizer_threads() { return optimizer_pool().num_threads(); }
 const char* optimizer_simd_path() { return ops::simd_path_name(ops::active_simd_path()); }
 
 void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
+  wait_for_executor(g.params);
   const size_t n = g.params.size();
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
                   g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
@@ -219,6 +234,7 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
 }
 
 void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
+  wait_for_executor(g.params);
   const size_t n = g.params.size();
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
                   g.first_steps.size() == n,

@@ -45,6 +45,8 @@ py::dict memory_stats(c10::DeviceIndex device) {
     d[py::str(p + "reserved_bytes")] = s.reserved_bytes;
     d[py::str(p + "peak_allocated_bytes")] = s.peak_allocated_bytes;
     d[py::str(p + "peak_reserved_bytes")] = s.peak_reserved_bytes;
+    d[py::str(p + "peak_requested_bytes")] = s.peak_requested_bytes;
+    d[py::str(p + "peak_active_allocations")] = s.peak_active_allocations;
     d[py::str(p + "capacity_bytes")] = s.capacity_bytes;
     d[py::str(p + "external_bytes")] = s.external_bytes;
     d[py::str(p + "active_allocations")] = s.active_allocations;

@@ -135,7 +135,7 @@ size_t parse_bytes(const std::string& text, const char* what) {
   double scale = 1;
   std::string suffix(end ? end : "");
   while (!suffix.empty() && std::isspace(static_cast<unsigned char>(suffix.back()))) suffix.pop_back();
-  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b') && suffix.size() > 1) suffix.pop_back();
+  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.pop_back();
   if (suffix.size() == 2 && (suffix[1] == 'i' || suffix[1] == 'I')) suffix.pop_back();
   if (suffix.size() == 1) {
     switch (std::toupper(static_cast<unsigned char>(suffix[0]))) {

@@ -2,10 +2,14 @@
 
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 
+#include "allocator/Topology.h"
 #include "backend/runtime/Runtime.h"
 
 namespace superchip {
@@ -55,9 +59,9 @@ c10::CachingDeviceAllocator::DeviceStats to_device_stats(const TierStats& t) {
   fill(s.allocated_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
   fill(s.active_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
   fill(s.reserved_bytes[agg], t.reserved_bytes, t.peak_reserved_bytes);
-  fill(s.requested_bytes[agg], t.requested_bytes, t.requested_bytes);
-  fill(s.allocation[agg], t.active_allocations, t.active_allocations);
-  fill(s.active[agg], t.active_allocations, t.active_allocations);
+  fill(s.requested_bytes[agg], t.requested_bytes, t.peak_requested_bytes);
+  fill(s.allocation[agg], t.active_allocations, t.peak_active_allocations);
+  fill(s.active[agg], t.active_allocations, t.peak_active_allocations);
   s.allocation[agg].allocated = t.num_allocs;
   s.allocation[agg].freed = t.num_frees;
   s.num_ooms = t.num_ooms;
@@ -186,7 +190,16 @@ void SuperchipAllocator::resetPeakStats(c10::DeviceIndex device) {
 }
 
 std::pair<size_t, size_t> SuperchipAllocator::getMemoryInfo(c10::DeviceIndex device) {
-  const TierStats s = memory(resolve_device(device)).stats(Tier::kHbm);
+  const c10::DeviceIndex index = resolve_device(device);
+  const TierStats s = memory(index).stats(Tier::kHbm);
+  if (s.capacity_bytes == 0) {
+    // No budget: what the device itself has (the GPU, or the host emulating it).
+    if (executor() == Executor::kCuda) return cuda_memory_info(index);
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long avail = sysconf(_SC_AVPHYS_PAGES);
+    const long page = sysconf(_SC_PAGESIZE);
+    return {static_cast<size_t>(std::max(0L, avail)) * page, static_cast<size_t>(std::max(0L, pages)) * page};
+  }
   const size_t total = static_cast<size_t>(s.capacity_bytes);
   const size_t used = static_cast<size_t>(s.reserved_bytes);
   return {total > used ? total - used : 0, total};

@@ -19,7 +19,11 @@ at::Generator make_inner(c10::DeviceIndex index, bool fresh) {
     const auto& hooks = at::detail::getCUDAHooks();
     return fresh ? hooks.getNewGenerator(index) : hooks.getDefaultGenerator(index);
   }
-  return at::detail::createCPUGenerator(c10::default_rng_seed_val);
+  // Emulated, the default generator is the CPU's own: forwarded kernels without a generator
+  // argument (native_dropout) draw from it, so one stream serves every op and seeding it
+  // through torch.superchip or torch.manual_seed controls them all.
+  return fresh ? at::detail::createCPUGenerator(c10::default_rng_seed_val)
+               : at::detail::getDefaultCPUGenerator();
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-// SuperchipGenerator: the random generator of a superchip device. It owns an executor
-// generator (a CPU generator emulated, the CUDA device's generator with the CUDA executor)
-// and forwards every call to it; forwarded RNG kernels receive that inner generator, so the
-// numbers are the executor's own and torch.manual_seed seeds them through manual_seed_all.
+// SuperchipGenerator: the random generator of a superchip device. It wraps an executor
+// generator and forwards every call to it; forwarded RNG kernels receive that inner generator.
+// The default one wraps the executor's default generator (the CPU's emulated, the CUDA
+// device's with the CUDA executor), because kernels without a generator argument draw from
+// that; torch.Generator(device="superchip") wraps a fresh one.
 // Thread-safety: as c10::GeneratorImpl (callers lock mutex_; the inner one is locked by kernels).
 #pragma once
 

@@ -66,8 +66,9 @@ def memory_stats(device=None) -> dict:
     """Exact per-tier statistics of a superchip device, as ``{"hbm.allocated_bytes": int, ...}``.
 
     Keys, for each tier ``hbm`` and ``host``: allocated_bytes, requested_bytes, reserved_bytes,
-    peak_allocated_bytes, peak_reserved_bytes, capacity_bytes (0 = unlimited), external_bytes,
-    active_allocations, num_allocs, num_frees, num_cache_hits, num_ooms.
+    peak_allocated_bytes, peak_reserved_bytes, peak_requested_bytes, peak_active_allocations,
+    capacity_bytes (0 = unlimited), external_bytes, active_allocations, num_allocs, num_frees,
+    num_cache_hits, num_ooms.
     ``torch.accelerator.memory_allocated()`` equals ``hbm.allocated_bytes``.
     """
     return _C._memory_stats(_index(device))

@@ -84,6 +84,19 @@ def _check_param(cls: str, p: torch.Tensor) -> None:
         raise RuntimeError(
             f"superchip.optim.{cls}: gradient on {p.grad.device} for a parameter on {p.device}."
         )
+    if p.grad.shape != p.shape:
+        raise RuntimeError(
+            f"superchip.optim.{cls}: gradient of shape {tuple(p.grad.shape)} for a parameter of "
+            f"shape {tuple(p.shape)}."
+        )
+
+
+def _params_with_grad(cls: str, group: dict) -> list:
+    """The group's parameters that have a gradient, all checked before any state changes."""
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        _check_param(cls, p)
+    return params
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -151,6 +164,18 @@ class Adam(_FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
 
+    def __setstate__(self, state):
+        # As torch.optim.Adam: groups from older checkpoints get today's defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", False)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
@@ -161,10 +186,7 @@ class Adam(_FusedOptimizer):
                                 fused=group.get("fused"))
             amsgrad = group["amsgrad"]
             params, grads, masters, m1, m2, mx, steps = [], [], [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                _check_param(name, p)
+            for p in _params_with_grad(name, group):
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -201,6 +223,12 @@ class AdamW(Adam):
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True)
 
+    def __setstate__(self, state):
+        # As torch.optim.AdamW: whatever the checkpoint says, AdamW decays decoupled.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
 
 class SGD(_FusedOptimizer):
     """Fused SGD with momentum, dampening, Nesterov and weight decay, like torch.optim.SGD."""
@@ -223,16 +251,23 @@ class SGD(_FusedOptimizer):
                         differentiable=differentiable, fused=fused)
         super().__init__(params, defaults)
 
+    def __setstate__(self, state):
+        # As torch.optim.SGD: groups from older checkpoints get today's defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
         for group in self.param_groups:
             momentum = float(group["momentum"])
             params, grads, masters, buffers, first = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                _check_param("SGD", p)
+            for p in _params_with_grad("SGD", group):
                 state = self.state[p]
                 params.append(p)
                 grads.append(p.grad)

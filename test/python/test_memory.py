@@ -22,7 +22,7 @@ from helpers import DEVICE
 KiB, MiB = 1024, 1024 * 1024
 TIERS = ("hbm", "host")
 FIELDS = ("allocated_bytes", "requested_bytes", "reserved_bytes", "peak_allocated_bytes",
-          "peak_reserved_bytes", "capacity_bytes", "external_bytes", "active_allocations",
+          "peak_reserved_bytes", "peak_requested_bytes", "peak_active_allocations", "capacity_bytes", "external_bytes", "active_allocations",
           "num_allocs", "num_frees", "num_cache_hits", "num_ooms")
 
 pytestmark = pytest.mark.usefixtures("clean_memory")
@@ -356,3 +356,39 @@ def test_host_capacity_limit(hbm_capacity):
         superchip.set_capacity("host", old_host)
     superchip.move_to_tier(t, "host")
     assert superchip.tier_of(t) == "host"
+
+
+def test_peaks_of_requested_bytes_and_allocations_are_kept():
+    superchip.reset_peak_memory_stats()
+    base = superchip.memory_stats()
+    t = torch.empty(6000, device="superchip")
+    del t
+    s = superchip.memory_stats()
+    assert s["hbm.peak_requested_bytes"] >= base["hbm.requested_bytes"] + 24000
+    assert s["hbm.peak_active_allocations"] >= base["hbm.active_allocations"] + 1
+    acc = torch.accelerator.memory_stats()
+    assert acc["requested_bytes.all.peak"] == s["hbm.peak_requested_bytes"]
+
+
+def test_memory_info_without_a_budget_reports_the_device():
+    old = superchip.memory_stats()["hbm.capacity_bytes"]
+    try:
+        superchip.set_capacity("hbm", 0)
+        free, total = torch.accelerator.get_memory_info()
+        assert total > 0 and 0 < free <= total
+        superchip.set_capacity("hbm", 1 << 30)
+        free, total = torch.accelerator.get_memory_info()
+        assert total == 1 << 30 and free <= total
+    finally:
+        superchip.set_capacity("hbm", old)
+
+
+def test_byte_suffixes_in_budget_variables():
+    from helpers import run_python
+
+    for text, expect in (("64MB", 64 << 20), ("100B", 100), ("1GiB", 1 << 30), ("2k", 2048)):
+        r = run_python("import torch, superchip; torch.empty(0, device='superchip'); "
+                       "print(superchip.memory_stats()['hbm.capacity_bytes'])",
+                       env={"SUPERCHIP_HBM_BYTES": text})
+        assert r.returncode == 0, r.stderr
+        assert int(r.stdout.strip().splitlines()[-1]) == expect, text

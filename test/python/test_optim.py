@@ -267,3 +267,35 @@ def test_tensor_lr_and_closure():
     ref.step()
     assert loss.device.type == "superchip"
     torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def test_load_state_dict_normalises_groups_like_torch():
+    a, b = make_pair("superchip", shape=(8,), seed=21)
+    adam = torch.optim.Adam([b], lr=1e-2, weight_decay=0.1)
+    b.grad = torch.ones_like(b)
+    adam.step()
+    sd = adam.state_dict()
+    ours = superchip.optim.AdamW([a], lr=1e-2)
+    ours.load_state_dict(sd)  # an Adam checkpoint loaded into AdamW decays decoupled, as torch's
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    old = superchip.optim.Adam([a]).state_dict()
+    for g in old["param_groups"]:
+        del g["decoupled_weight_decay"], g["maximize"]  # a checkpoint from an older torch
+    again = superchip.optim.Adam([a])
+    again.load_state_dict(old)
+    a.grad = torch.ones_like(a)
+    again.step()
+    assert again.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_rejected_parameter_leaves_every_step_count_unchanged():
+    good = torch.nn.Parameter(torch.randn(4, device="superchip"))
+    bad = torch.nn.Parameter(torch.randn(4, device="superchip", dtype=torch.float64))
+    good.grad = torch.randn(4, device="superchip")
+    bad.grad = torch.randn(4, device="superchip", dtype=torch.float64)  # unsupported dtype
+    opt = superchip.optim.AdamW([good, bad])
+    before = good.detach().cpu().clone()
+    with pytest.raises(TypeError, match="float64"):
+        opt.step()
+    assert "step" not in opt.state[good]
+    assert torch.equal(good.detach().cpu(), before)

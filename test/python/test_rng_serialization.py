@@ -193,3 +193,19 @@ def test_save_load_optimizer_state_to_file(tmp_path):
     ck_cpu = torch.load(path, map_location="cpu")
     assert ck_cpu["opt"]["state"][0]["exp_avg"].device.type == "cpu"
     assert torch.equal(ck_cpu["model"]["weight"], model.weight.detach().cpu())
+
+
+def test_dropout_follows_the_superchip_generator():
+    # native_dropout has no generator argument: it must still draw from the superchip stream,
+    # so seeding or restoring torch.superchip's state reproduces the mask.
+    x = torch.ones(64, 64, device="superchip")
+    torch.superchip.manual_seed(7)
+    first = torch.nn.functional.dropout(x, 0.5).cpu()
+    torch.superchip.manual_seed(7)
+    second = torch.nn.functional.dropout(x, 0.5).cpu()
+    assert torch.equal(first, second)
+    state = torch.superchip.get_rng_state()
+    third = torch.nn.functional.dropout(x, 0.5).cpu()
+    torch.superchip.set_rng_state(state)
+    assert torch.equal(torch.nn.functional.dropout(x, 0.5).cpu(), third)
+    assert not torch.equal(first, third)

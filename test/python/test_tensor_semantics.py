@@ -320,3 +320,11 @@ def test_cpu_zero_dim_tensor_is_a_scalar():
     torch.testing.assert_close(res2.cpu(), torch.tensor([3.0, 4.0]))
     a.add_(torch.tensor(1.0))
     torch.testing.assert_close(a.cpu(), torch.tensor([2.0, 3.0]))
+
+
+def test_cpu_scalar_tensor_is_not_accepted_as_an_output():
+    x = torch.ones(3, device="superchip")
+    out = torch.zeros(())
+    with pytest.raises(RuntimeError, match="superchip:0 and cpu"):
+        torch.add(x, 1, out=out)
+    assert out.shape == () and float(out) == 0.0

@@ -41,6 +41,8 @@ struct TierModelRef {
     stats.num_allocs++;
     stats.peak_allocated_bytes = std::max(stats.peak_allocated_bytes, stats.allocated_bytes);
     stats.peak_reserved_bytes = std::max(stats.peak_reserved_bytes, stats.reserved_bytes);
+    stats.peak_requested_bytes = std::max(stats.peak_requested_bytes, stats.requested_bytes);
+    stats.peak_active_allocations = std::max(stats.peak_active_allocations, stats.active_allocations);
   }
   // Predicts a miss of `bytes`: false = OutOfTierMemory; true = fits after dropping the
   // largest cached blocks, which this does.
@@ -76,6 +78,8 @@ void expect_stats_eq(const TierStats& got, const TierStats& want, const char* ti
   EXPECT_EQ(got.reserved_bytes, want.reserved_bytes);
   EXPECT_EQ(got.peak_allocated_bytes, want.peak_allocated_bytes);
   EXPECT_EQ(got.peak_reserved_bytes, want.peak_reserved_bytes);
+  EXPECT_EQ(got.peak_requested_bytes, want.peak_requested_bytes);
+  EXPECT_EQ(got.peak_active_allocations, want.peak_active_allocations);
   EXPECT_EQ(got.capacity_bytes, want.capacity_bytes);
   EXPECT_EQ(got.external_bytes, want.external_bytes);
   EXPECT_EQ(got.active_allocations, want.active_allocations);
@@ -239,6 +243,8 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
       for (TierModelRef& o : model) {
         o.stats.peak_allocated_bytes = o.stats.allocated_bytes;
         o.stats.peak_reserved_bytes = o.stats.reserved_bytes;
+        o.stats.peak_requested_bytes = o.stats.requested_bytes;
+        o.stats.peak_active_allocations = o.stats.active_allocations;
       }
     } else {
       mm.reset_accumulated();
