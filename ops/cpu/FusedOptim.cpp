@@ -74,6 +74,8 @@ Lowp lowp_of(const void* param_lowp, DType d) {
   return d == DType::kBF16 ? Lowp::kBF16 : Lowp::kF16;
 }
 
+}  // namespace
+
 AdamScalars adam_scalars(const AdamHyper& h) {
   // See Note [Parity with torch.optim]: double first, one rounding to float.
   const double step = static_cast<double>(h.step);
@@ -97,6 +99,8 @@ AdamScalars adam_scalars(const AdamHyper& h) {
   s.amsgrad = h.amsgrad;
   return s;
 }
+
+namespace {
 
 SgdScalars sgd_scalars(const SgdHyper& h) {
   SgdScalars s;

@@ -67,6 +67,9 @@ SgdRangeFn sgd_kernel_sve(DType grad, Lowp lowp);
 int sve_lanes();  // svcntw(): call only when the CPU has SVE
 #endif
 
+// The per-step constants of `h`, rounded once as torch.optim rounds them.
+AdamScalars adam_scalars(const AdamHyper& h);
+
 // Argument checks shared by the kernels and the references; throw std::invalid_argument.
 void check_adam_args(const AdamHyper& h, const AdamArrays& a);
 void check_sgd_args(const SgdHyper& h, const SgdArrays& a);
