@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/engine/OffloadEngine.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
@@ -300,6 +301,8 @@ class ForwardedCall {
 at::Tensor executor_alias(const at::Tensor& t) {
   if (!t.defined()) return t;
   c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
+  // An optimizer step still pending on these bytes finishes first (Note [Pending storages]).
+  OffloadEngine::get().wait_for_storage(si);
   c10::raw::intrusive_ptr::incref(si);
   c10::DataPtr dp(si->mutable_data(), si, &alias_release, executor_device(t.device().index()));
   c10::Storage storage(c10::Storage::use_byte_size_t(), si->nbytes(), std::move(dp),

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "allocator/Topology.h"
+#include "backend/engine/OffloadEngine.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "ops/cpu/ThreadPool.h"
@@ -33,6 +34,12 @@ ops::DType dtype_of(const at::Tensor& t, const char* what, size_t i) {
   }
 }
 
+// A step run on a caller's thread (overlap=False, tail buckets) reads its operands directly:
+// a queued engine job on them finishes first. No-op on the engine worker.
+void wait_pending(const at::Tensor& t) {
+  if (t.defined() && t.has_storage()) OffloadEngine::get().wait_for_storage(t.storage().unsafeGetStorageImpl());
+}
+
 bool host_addressable(const at::Tensor& t) {
   if (t.device().is_cpu()) return true;
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
@@ -44,6 +51,7 @@ bool host_addressable(const at::Tensor& t) {
 class HostOperand {
  public:
   HostOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
+    wait_pending(t);
     if (host_addressable(t) && t.is_contiguous()) {
       host_ = t;
     } else if (host_addressable(t)) {
@@ -68,6 +76,7 @@ class HostOperand {
 };
 
 void check_state(const at::Tensor& s, const at::Tensor& p, const char* what, size_t i) {
+  wait_pending(s);
   TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat && s.numel() == p.numel() && s.is_contiguous() &&
                   host_addressable(s),
               "superchip.optim: state '", what, "' of parameter ", i,
@@ -163,17 +172,22 @@ ops::SgdArrays slice(const ops::SgdArrays& a, int64_t begin, int64_t end) {
   return s;
 }
 
-// Cuts every parameter into chunks and runs step(parameter index, chunk) over the pool.
-template <typename Arrays, typename StepFn>
-void run_chunked(const std::vector<Arrays>& arrays, const StepFn& step) {
+template <typename Arrays>
+std::vector<Item> items_of(const std::vector<Arrays>& arrays) {
   std::vector<int64_t> sizes;
   sizes.reserve(arrays.size());
   for (const Arrays& a : arrays) sizes.push_back(a.n);
-  const std::vector<Item> items = cut(sizes);
+  return cut(sizes);
+}
+
+// Cuts every parameter into chunks and runs step(item, chunk) over the pool.
+template <typename Arrays, typename StepFn>
+void run_chunked(const std::vector<Arrays>& arrays, const StepFn& step) {
+  const std::vector<Item> items = items_of(arrays);
   optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Item& it = items[k];
-      step(it.tensor, slice(arrays[it.tensor], it.begin, it.end));
+      step(it, k, slice(arrays[it.tensor], it.begin, it.end));
     }
   });
 }
@@ -201,14 +215,30 @@ int optimizer_threads() { return optimizer_pool().num_threads(); }
 
 const char* optimizer_simd_path() { return ops::simd_path_name(ops::active_simd_path()); }
 
-void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
-  wait_for_executor(g.params);
+int64_t AdamUndoLogs::bytes() const {
+  int64_t b = 0;
+  for (const auto& c : codes) b += static_cast<int64_t>(c.size());
+  return b + exception_count() * static_cast<int64_t>(sizeof(ops::UndoException));
+}
+
+int64_t AdamUndoLogs::exception_count() const {
+  int64_t n = 0;
+  for (const auto& e : exceptions) n += static_cast<int64_t>(e.size());
+  return n;
+}
+
+namespace {
+
+// Binds the group's tensors to kernel arrays; operands that had to be staged are kept in
+// `operands` (written back by the caller).
+std::vector<ops::AdamArrays> bind_adam(const AdamGroup& g, const ops::AdamHyper& hyper,
+                                       std::vector<HostOperand>& operands) {
   const size_t n = g.params.size();
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
                   g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
               "superchip.optim: internal error: ragged Adam group");
+  wait_for_executor(g.params);
   std::vector<ops::AdamArrays> arrays(n);
-  std::vector<HostOperand> operands;
   operands.reserve(2 * n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = g.params[i];
@@ -224,11 +254,43 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper) {
       a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
     }
   }
+  return arrays;
+}
+
+}  // namespace
+
+void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* record) {
+  std::vector<HostOperand> operands;
+  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
+  if (record) {
+    TORCH_CHECK(!hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
+    record->codes.resize(arrays.size());
+    for (size_t i = 0; i < arrays.size(); ++i) record->codes[i].resize(static_cast<size_t>(arrays[i].n));
+    record->exceptions.assign(items_of(arrays).size(), {});
+  }
   const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(arrays, [&](size_t i, const ops::AdamArrays& chunk) {
+  run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
     ops::AdamHyper h = hyper;
-    h.step = g.steps[i];
-    ops::adam_step(h, chunk, path, nullptr);
+    h.step = g.steps[it.tensor];
+    if (record) {
+      ops::adam_step_recording(h, chunk, path, record->codes[it.tensor].data() + it.begin,
+                               &record->exceptions[k]);
+    } else {
+      ops::adam_step(h, chunk, path, nullptr);
+    }
+  });
+  for (HostOperand& o : operands) o.write_back();
+}
+
+void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log) {
+  std::vector<HostOperand> operands;
+  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
+  TORCH_CHECK(log.codes.size() == arrays.size() && log.exceptions.size() == items_of(arrays).size(),
+              "superchip.optim: internal error: undo log does not match its bucket");
+  run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+    ops::AdamHyper h = hyper;
+    h.step = g.steps[it.tensor];
+    ops::adam_undo(h, chunk, log.codes[it.tensor].data() + it.begin, log.exceptions[k]);
   });
   for (HostOperand& o : operands) o.write_back();
 }
@@ -252,9 +314,9 @@ void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
     }
   }
   const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(arrays, [&](size_t i, const ops::SgdArrays& chunk) {
+  run_chunked(arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
     ops::SgdHyper h = hyper;
-    h.first_step = g.first_steps[i];
+    h.first_step = g.first_steps[it.tensor];
     ops::sgd_step(h, chunk, path, nullptr);
   });
   for (HostOperand& o : operands) o.write_back();

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "ops/cpu/AdamUndo.h"
 #include "ops/cpu/FusedOptim.h"
 
 namespace superchip {
@@ -23,7 +24,19 @@ struct AdamGroup {
   std::vector<int64_t> steps;                // step number after increment, per parameter
 };
 
-void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper);
+// The undo log of a speculative step (ops/cpu/AdamUndo.h), per parameter and work chunk.
+struct AdamUndoLogs {
+  std::vector<std::vector<uint8_t>> codes;                    // per parameter: numel bytes
+  std::vector<std::vector<ops::UndoException>> exceptions;    // per work chunk
+  int64_t bytes() const;        // host memory the log holds
+  int64_t exception_count() const;
+};
+
+// Steps the group in place. With `record`, also writes the undo log (amsgrad is rejected).
+void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* record = nullptr);
+// Restores the group to its values before the recorded step; the gradients must be the bits
+// the step read and `hyper` its hyper-parameters.
+void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log);
 
 struct SgdGroup {
   std::vector<at::Tensor> params;

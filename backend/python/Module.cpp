@@ -19,6 +19,9 @@
 namespace py = pybind11;
 
 namespace superchip {
+
+void bind_engine(py::module& m);  // EngineModule.cpp
+
 namespace {
 
 Tier tier_arg(const std::string& name) {
@@ -199,4 +202,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_optimizer_threads", &optimizer_threads);
   m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
   m.def("_topology", [] { return Topology::get().describe(); });
+  bind_engine(m);
 }

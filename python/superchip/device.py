@@ -55,6 +55,8 @@ class device:  # noqa: N801  (mirrors torch.cuda.device)
 
 
 def synchronize(device=None) -> None:
+    """Waits for the executor and for every queued optimizer step (the offload engine)."""
+    _C._engine_synchronize()
     _C._synchronize(_index(device))
 
 

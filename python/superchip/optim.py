@@ -9,11 +9,13 @@ parameters, live in the ``host`` tier; state tensors are on the parameter's devi
 
 from __future__ import annotations
 
+import time
 from itertools import chain
 
 import torch
 
 from . import _C
+from .engine import Engine, overlap_default
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -47,10 +49,10 @@ def _reject_unsupported(cls: str, *, differentiable=False, capturable=False, fus
         )
 
 
-def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
-    """An fp32 tensor shaped like ``p`` on p's device (host tier for superchip), zeros or ``values``."""
+def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None, tier: str = "host") -> torch.Tensor:
+    """An fp32 tensor shaped like ``p`` on p's device (``tier`` for superchip), zeros or ``values``."""
     if p.device.type == "superchip":
-        t = _C._fp32_in_tier(p.detach(), "host", False)
+        t = _C._fp32_in_tier(p.detach(), tier, False)
         if values is not None:
             t.copy_(values.detach().reshape(p.shape))
         return t
@@ -103,15 +105,85 @@ class _FusedOptimizer(torch.optim.Optimizer):
     """Shared state handling: fp32 state in the host tier, torch-compatible state dicts."""
 
     _STATE_KEYS: tuple = ()
+    _CAN_SPECULATE = False
+
+    def _start_engine(self, overlap, bucket_bytes, tail_buckets) -> None:
+        if overlap is None:
+            overlap = overlap_default()
+        self._state_tiers: dict = {}
+        self._engine = Engine(self, overlap=bool(overlap), bucket_bytes=bucket_bytes,
+                              tail_buckets=tail_buckets, can_speculate=self._CAN_SPECULATE)
+
+    def _tier(self, p) -> str:
+        tiers = getattr(self, "_state_tiers", None)
+        return tiers.get(p, "host") if tiers else "host"
+
+    def _new_state(self, p, values=None):
+        return _state_tensor(p, values, self._tier(p))
 
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
         if "master_param" not in state:
-            state["master_param"] = _state_tensor(p, p)
+            state["master_param"] = self._new_state(p, p)
         return state["master_param"]
 
+    # ---- the engine's hooks into the optimizer (engine.py) ----
+
+    def _group_index(self) -> dict:
+        return {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+
+    def _engine_parts(self, params, step_increment: int):
+        """Kernel arguments for `params`, one tuple per param group they belong to."""
+        index = self._group_index()
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(index[p], []).append(p)
+        return [self._group_args(self.param_groups[gi], ps, step_increment)
+                for gi, ps in sorted(by_group.items())]
+
+    def _engine_place_state(self, buckets, tail: int) -> None:
+        """Tail buckets keep their state in hbm (stepped by the executor), the rest in host."""
+        from . import move_to_tier, tier_of
+        for b, bucket in enumerate(buckets):
+            tier = "hbm" if b < tail else "host"
+            for p in bucket:
+                self._state_tiers[p] = tier
+                for v in self.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.device.type == "superchip" and tier_of(v) != tier:
+                        move_to_tier(v, tier)
+
+    def _cast_grads_fp32(self) -> bool:
+        return link_model()["cast_on"] == "executor"
+
+    def offload_stats(self) -> dict:
+        """Counters of the offload engine since construction (see README, "Offload engine")."""
+        return self._engine.stats()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if hasattr(self, "_engine"):
+            self._engine.rollback_unstepped(skipped=True)
+        super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        if hasattr(self, "_engine"):
+            self._engine.rollback_unstepped(skipped=False)
+            self._engine.synchronize()
+        return super().state_dict()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        engine = getattr(self, "_engine", None)
+        if engine is not None and engine.overlap:
+            for p in self.param_groups[-1]["params"]:
+                if p.requires_grad:
+                    engine.hooks.append(p.register_post_accumulate_grad_hook(engine._on_grad))
+            engine.buckets = []
+
     def load_state_dict(self, state_dict: dict) -> None:
+        if hasattr(self, "_engine"):
+            self._engine.rollback_unstepped(skipped=False)
+            self._engine.synchronize()
         # torch's loader casts every state tensor to the parameter's dtype and device, which
         # would round fp32 moments of a bf16 parameter to bf16 and put them in hbm. Keep the
         # saved values aside and rebuild the state as fp32 host-tier tensors afterwards.
@@ -128,9 +200,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             for key, value in tensors.items():
                 if key in self._STATE_KEYS or key == "master_param":
-                    state[key] = _state_tensor(p, value)
+                    state[key] = self._new_state(p, value)
             if p.dtype in _LOW_PRECISION and "master_param" not in state:
-                state["master_param"] = _state_tensor(p, p)
+                state["master_param"] = self._new_state(p, p)
             if "step" in state:
                 # A fresh CPU tensor: torch's loader hands over the caller's own step tensor,
                 # which step() increments in place.
@@ -141,10 +213,12 @@ class Adam(_FusedOptimizer):
     """Fused Adam (L2 weight decay), or AdamW with ``decoupled_weight_decay=True``."""
 
     _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _CAN_SPECULATE = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False):
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 overlap=None, bucket_bytes=None, tail_buckets=None):
         name = type(self).__name__
         _reject_unsupported(name, differentiable=differentiable, capturable=capturable, fused=fused)
         lr_v = _scalar(lr, "lr")
@@ -163,6 +237,9 @@ class Adam(_FusedOptimizer):
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
+        self._start_engine(overlap, bucket_bytes, tail_buckets)
+        if any(g["amsgrad"] for g in self.param_groups):
+            self._engine.can_speculate = False  # the amsgrad max is not invertible
 
     def __setstate__(self, state):
         # As torch.optim.Adam: groups from older checkpoints get today's defaults.
@@ -176,39 +253,69 @@ class Adam(_FusedOptimizer):
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
 
+    def _init_state(self, group: dict, p) -> dict:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = self._new_state(p)
+            state["exp_avg_sq"] = self._new_state(p)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._new_state(p)
+        return state
+
+    def _group_args(self, group: dict, params: list, step_increment: int) -> tuple:
+        """The fused kernel's arguments for `params` of `group` (state created on first use)."""
+        amsgrad = group["amsgrad"]
+        grads, masters, m1, m2, mx, steps = [], [], [], [], [], []
+        for p in params:
+            state = self._init_state(group, p)
+            grads.append(p.grad)
+            masters.append(self._master(p, state))
+            m1.append(state["exp_avg"])
+            m2.append(state["exp_avg_sq"])
+            mx.append(state["max_exp_avg_sq"] if amsgrad else None)
+            steps.append(int(state["step"].item()) + step_increment)
+        beta1, beta2 = group["betas"]
+        return (list(params), grads, masters, m1, m2, mx, steps, _scalar(group["lr"], "lr"),
+                _scalar(beta1, "beta1"), _scalar(beta2, "beta2"), float(group["eps"]),
+                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
+                bool(amsgrad), bool(group["maximize"]))
+
+    def _engine_advance_steps(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._init_state(group, p)["step"] += 1
+
+    def _engine_submit(self, parts) -> None:
+        _C._engine_adam_step(self._engine.owner, parts)
+
+    def _engine_inline(self, parts) -> None:
+        for args in parts:
+            _C._adam_step(*args)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
         name = type(self).__name__
+        groups = []
         for group in self.param_groups:
             _reject_unsupported(name, differentiable=group.get("differentiable", False),
                                 capturable=group.get("capturable", False),
                                 fused=group.get("fused"))
-            amsgrad = group["amsgrad"]
-            params, grads, masters, m1, m2, mx, steps = [], [], [], [], [], [], []
-            for p in _params_with_grad(name, group):
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = _state_tensor(p)
-                    state["exp_avg_sq"] = _state_tensor(p)
-                if amsgrad and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = _state_tensor(p)
-                state["step"] += 1
-                params.append(p)
-                grads.append(p.grad)
-                masters.append(self._master(p, state))
-                m1.append(state["exp_avg"])
-                m2.append(state["exp_avg_sq"])
-                mx.append(state["max_exp_avg_sq"] if amsgrad else None)
-                steps.append(int(state["step"].item()))
+            groups.append(_params_with_grad(name, group))
+        if self._engine.overlap:
+            self._engine.step()
+            return loss
+        t0 = time.perf_counter()
+        for group, params in zip(self.param_groups, groups):
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            _C._adam_step(params, grads, masters, m1, m2, mx, steps, _scalar(group["lr"], "lr"),
-                          _scalar(beta1, "beta1"), _scalar(beta2, "beta2"), float(group["eps"]),
-                          float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
-                          bool(amsgrad), bool(group["maximize"]))
+            for p in params:
+                self._init_state(group, p)["step"] += 1
+            _C._adam_step(*self._group_args(group, params, 0))
+        self._engine.inline_seconds += time.perf_counter() - t0
+        self._engine.counts["steps"] += 1
         return loss
 
 
@@ -217,11 +324,13 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None):
+                 differentiable=False, fused=None, overlap=None, bucket_bytes=None,
+                 tail_buckets=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, overlap=overlap,
+                         bucket_bytes=bucket_bytes, tail_buckets=tail_buckets)
 
     def __setstate__(self, state):
         # As torch.optim.AdamW: whatever the checkpoint says, AdamW decays decoupled.
@@ -236,7 +345,8 @@ class SGD(_FusedOptimizer):
     _STATE_KEYS = ("momentum_buffer",)
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-                 *, maximize=False, foreach=None, differentiable=False, fused=None):
+                 *, maximize=False, foreach=None, differentiable=False, fused=None, overlap=None,
+                 bucket_bytes=None, tail_buckets=None):
         _reject_unsupported("SGD", differentiable=differentiable, fused=fused)
         if _scalar(lr, "lr") < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -250,6 +360,8 @@ class SGD(_FusedOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
         super().__init__(params, defaults)
+        # SGD steps asynchronously but never speculates (its undo log is not written yet).
+        self._start_engine(overlap, bucket_bytes, tail_buckets)
 
     def __setstate__(self, state):
         # As torch.optim.SGD: groups from older checkpoints get today's defaults.
@@ -261,29 +373,101 @@ class SGD(_FusedOptimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
 
+    def _group_args(self, group: dict, params: list, step_increment: int) -> tuple:
+        momentum = float(group["momentum"])
+        grads, masters, buffers, first = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            grads.append(p.grad)
+            masters.append(self._master(p, state))
+            if momentum != 0.0:
+                is_new = state.get("momentum_buffer") is None
+                if is_new:
+                    state["momentum_buffer"] = self._new_state(p)
+                buffers.append(state["momentum_buffer"])
+                first.append(is_new)
+            else:
+                buffers.append(None)
+                first.append(False)
+        return (list(params), grads, masters, buffers, first, _scalar(group["lr"], "lr"),
+                momentum, float(group["dampening"]), float(group["weight_decay"]),
+                bool(group["nesterov"]), bool(group["maximize"]))
+
+    def _engine_advance_steps(self) -> None:
+        pass
+
+    def _engine_submit(self, parts) -> None:
+        for args in parts:
+            _C._engine_sgd_step(self._engine.owner, args)
+
+    def _engine_inline(self, parts) -> None:
+        for args in parts:
+            _C._sgd_step(*args)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
-        for group in self.param_groups:
-            momentum = float(group["momentum"])
-            params, grads, masters, buffers, first = [], [], [], [], []
-            for p in _params_with_grad("SGD", group):
-                state = self.state[p]
-                params.append(p)
-                grads.append(p.grad)
-                masters.append(self._master(p, state))
-                if momentum != 0.0:
-                    is_new = state.get("momentum_buffer") is None
-                    if is_new:
-                        state["momentum_buffer"] = _state_tensor(p)
-                    buffers.append(state["momentum_buffer"])
-                    first.append(is_new)
-                else:
-                    buffers.append(None)
-                    first.append(False)
-            if not params:
-                continue
-            _C._sgd_step(params, grads, masters, buffers, first, _scalar(group["lr"], "lr"),
-                         momentum, float(group["dampening"]), float(group["weight_decay"]),
-                         bool(group["nesterov"]), bool(group["maximize"]))
+        groups = [_params_with_grad("SGD", group) for group in self.param_groups]
+        if self._engine.overlap:
+            self._engine.step()
+            return loss
+        t0 = time.perf_counter()
+        for group, params in zip(self.param_groups, groups):
+            if params:
+                _C._sgd_step(*self._group_args(group, params, 0))
+        self._engine.inline_seconds += time.perf_counter() - t0
+        self._engine.counts["steps"] += 1
         return loss
+
+
+_LINK_MODEL: dict | None = None
+
+
+def link_model() -> dict:
+    """The measured link-cost model that decides where a gradient bucket's cast runs.
+
+    Measured once per process on 16 Mi elements: the link (a copy from ``hbm`` into ``host``),
+    the executor's bf16->fp32 cast, and the CPU's. Casting on the executor then moving fp32
+    costs 2n/exec_cast + 4n/link; moving bf16 and casting on the CPU (inside the fused step)
+    costs 2n/link + 2n/cpu_cast. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
+    (``executor`` or ``cpu``) overrides it. Rates are bytes of input per second.
+    """
+    global _LINK_MODEL
+    if _LINK_MODEL is not None:
+        return _LINK_MODEL
+    import os
+
+    from . import move_to_tier
+
+    n = 1 << 24
+
+    def best(fn, reps=3):
+        fn()
+        t = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.superchip.synchronize()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    src = torch.empty(n, dtype=torch.bfloat16, device="superchip").uniform_()
+    dst = torch.empty(n, dtype=torch.bfloat16, device="superchip")
+    move_to_tier(dst, "host")
+    link = 2 * n / best(lambda: dst.copy_(src))
+    exec_cast = 2 * n / best(lambda: src.float())
+    cpu_src = torch.empty(n, dtype=torch.bfloat16).uniform_()
+    cpu_cast = 2 * n / best(lambda: cpu_src.float())
+    t_exec = 2 * n / exec_cast + 4 * n / link
+    t_cpu = 2 * n / link + 2 * n / cpu_cast
+    cast_on = "executor" if t_exec < t_cpu else "cpu"
+    forced = os.environ.get("SUPERCHIP_CAST_ON")
+    if forced:
+        if forced not in ("executor", "cpu"):
+            raise ValueError(f"SUPERCHIP_CAST_ON must be 'executor' or 'cpu', got {forced!r}")
+        cast_on = forced
+    del src, dst, cpu_src
+    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast,
+                       cpu_cast_bytes_per_s=cpu_cast, seconds_per_gi_cast_on_executor=t_exec * (1 << 30) / n,
+                       seconds_per_gi_cast_on_cpu=t_cpu * (1 << 30) / n, cast_on=cast_on)
+    return _LINK_MODEL

@@ -1,0 +1,153 @@
+#include "backend/engine/AdamBucket.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
+
+namespace superchip {
+namespace {
+
+void add_storage(std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out, const at::Tensor& t) {
+  if (!t.defined()) return;
+  auto s = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl());
+  for (const auto& e : out) {
+    if (e.get() == s.get()) return;
+  }
+  out.push_back(std::move(s));
+}
+
+// A contiguous host-tier tensor shaped like `grad`, of `dtype`, holding its values.
+at::Tensor host_snapshot(const at::Tensor& grad, at::ScalarType dtype) {
+  if (grad.device().type() != c10::DeviceType::PrivateUse1) {
+    return grad.to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  }
+  // Cast on the executor first (when asked), then move: one copy into the host tier.
+  const at::Tensor src = grad.scalar_type() == dtype ? grad : grad.to(dtype);
+  const size_t nbytes = static_cast<size_t>(src.numel()) * src.element_size();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       allocate_in_tier(nbytes, Tier::kHost, grad.device().index()),
+                       &superchip_allocator(), /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), src.dtype());
+  impl->set_sizes_contiguous(src.sizes());
+  at::Tensor out(std::move(impl));
+  out.copy_(src);
+  return out;
+}
+
+bool same_hyper(const ops::AdamHyper& a, const ops::AdamHyper& b) {
+  return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
+         a.weight_decay == b.weight_decay && a.decoupled_weight_decay == b.decoupled_weight_decay &&
+         a.amsgrad == b.amsgrad && a.maximize == b.maximize;
+}
+
+// Bitwise equality of a gradient and its snapshot (which may be its fp32 cast: exact).
+bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
+  if (!grad.defined() || grad.sizes() != snap.sizes()) return false;
+  const at::Tensor g = (grad.scalar_type() == snap.scalar_type() ? grad : grad.to(snap.scalar_type())).contiguous();
+  const at::ScalarType bits = snap.element_size() == 4 ? at::kInt : at::kShort;
+  return at::equal(g.view(bits), snap.view(bits));
+}
+
+}  // namespace
+
+std::vector<c10::intrusive_ptr<c10::StorageImpl>> adam_storages(const std::vector<AdamPart>& parts,
+                                                                 bool with_grads) {
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> out;
+  for (const AdamPart& part : parts) {
+    const AdamGroup& g = part.group;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      add_storage(out, g.params[i]);
+      if (g.masters[i]) add_storage(out, *g.masters[i]);
+      add_storage(out, g.exp_avgs[i]);
+      add_storage(out, g.exp_avg_sqs[i]);
+      if (g.max_exp_avg_sqs[i]) add_storage(out, *g.max_exp_avg_sqs[i]);
+      if (with_grads) add_storage(out, g.grads[i]);
+    }
+  }
+  return out;
+}
+
+void step_adam_parts(const std::vector<AdamPart>& parts) {
+  for (const AdamPart& part : parts) {
+    if (!part.group.params.empty()) fused_adam_step(part.group, part.hyper);
+  }
+}
+
+AdamSpeculation::AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32)
+    : owner_(owner), parts_(std::move(parts)), cast_(cast_grads_to_fp32) {
+  for (const AdamPart& p : parts_) {
+    TORCH_CHECK(!p.hyper.amsgrad, "superchip.optim: internal error: amsgrad is never speculated");
+  }
+}
+
+int64_t AdamSpeculation::elements() const {
+  int64_t n = 0;
+  for (const AdamPart& p : parts_) {
+    for (const at::Tensor& t : p.group.params) n += t.numel();
+  }
+  return n;
+}
+
+void AdamSpeculation::snapshot() {
+  for (AdamPart& p : parts_) {
+    for (at::Tensor& g : p.group.grads) {
+      g = host_snapshot(g, cast_ ? at::kFloat : g.scalar_type());
+    }
+  }
+}
+
+void AdamSpeculation::step() {
+  logs_.assign(parts_.size(), {});
+  int64_t bytes = 0, exc = 0;
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    if (parts_[k].group.params.empty()) continue;
+    fused_adam_step(parts_[k].group, parts_[k].hyper, &logs_[k]);
+    bytes += logs_[k].bytes();
+    exc += logs_[k].exception_count();
+  }
+  undo_bytes_ = bytes;
+  exceptions_ = exc;
+  int expected = kQueued;
+  status_.compare_exchange_strong(expected, kSpeculated);
+}
+
+void AdamSpeculation::rollback() {
+  if (status_.load() != kSpeculated) return;
+  for (size_t k = parts_.size(); k-- > 0;) {
+    if (parts_[k].group.params.empty()) continue;
+    fused_adam_undo(parts_[k].group, parts_[k].hyper, logs_[k]);
+  }
+  logs_.clear();
+  status_ = kRolledBack;
+}
+
+void AdamSpeculation::validate(std::vector<AdamPart> current, bool grads_untouched) {
+  TORCH_CHECK(current.size() == parts_.size(), "superchip.optim: internal error: bucket changed shape");
+  bool valid = status_.load() == kSpeculated;
+  for (size_t k = 0; valid && k < parts_.size(); ++k) {
+    const AdamGroup& was = parts_[k].group;
+    const AdamGroup& now = current[k].group;
+    valid = same_hyper(parts_[k].hyper, current[k].hyper) && was.params.size() == now.params.size() &&
+            was.steps == now.steps;
+    for (size_t i = 0; valid && i < now.params.size(); ++i) {
+      valid = now.params[i].is_same(was.params[i]) &&
+              (grads_untouched || same_bits(now.grads[i], was.grads[i]));
+    }
+  }
+  if (valid) {
+    logs_.clear();
+    status_ = kCommitted;
+    return;
+  }
+  rollback();
+  step_adam_parts(current);
+  status_ = kRedone;
+}
+
+}  // namespace superchip

@@ -1,0 +1,68 @@
+// A bucket of Adam/AdamW parameters as the offload engine steps it: its parts (one per param
+// group, each with its hyper-parameters), and the speculative life cycle
+//   speculate (during backward) -> validate (after step()) -> committed | redone
+//                               -> rollback (a reader or zero_grad() before step())
+// Every transition runs on the engine worker; the undo log makes rollback exact
+// (ops/cpu/AdamUndo.h), so a speculated bucket ends bit for bit where the plain step ends.
+// Thread-safety: methods other than status()/undo_bytes()/exceptions() run on the worker.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "backend/engine/OffloadEngine.h"
+#include "backend/optim/FusedStep.h"
+
+namespace superchip {
+
+struct AdamPart {
+  AdamGroup group;
+  ops::AdamHyper hyper;
+};
+
+// Storages an Adam step reads or writes: parameters, masters, moments (and the gradients).
+std::vector<c10::intrusive_ptr<c10::StorageImpl>> adam_storages(const std::vector<AdamPart>& parts,
+                                                                 bool with_grads);
+// Runs the plain step of every part (the asynchronous step's job body).
+void step_adam_parts(const std::vector<AdamPart>& parts);
+
+class AdamSpeculation final : public SpeculationHold {
+ public:
+  enum Status : int { kQueued = 0, kSpeculated = 1, kRolledBack = 2, kCommitted = 3, kRedone = 4 };
+
+  // `cast_grads_to_fp32`: the snapshot is cast to fp32 on the executor before the move
+  // (the link-cost model's choice); otherwise it keeps the gradient's dtype and the CPU
+  // kernel casts while it steps.
+  AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32);
+
+  // Worker: the bucket's gradients cast-then-moved to host-tier snapshots.
+  void snapshot();
+  // Worker: steps from the snapshots, recording the undo log.
+  void step();
+  // Worker: undoes the speculative step (exact). No-op unless speculated.
+  void rollback() override;
+  // Worker, after step(): commits when `current` grads equal the snapshots bit for bit and the
+  // hyper-parameters are unchanged; otherwise rolls back and steps `current`.
+  void validate(std::vector<AdamPart> current, bool grads_untouched);
+
+  int64_t owner() const override { return owner_; }
+  int status() const { return status_.load(); }
+  int64_t undo_bytes() const { return undo_bytes_.load(); }
+  int64_t exceptions() const { return exceptions_.load(); }
+  int64_t elements() const;
+  const std::vector<AdamPart>& parts() const { return parts_; }
+
+ private:
+  int64_t owner_;
+  std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
+  std::vector<AdamUndoLogs> logs_;    // one per part
+  bool cast_;
+  std::atomic<int> status_{kQueued};
+  std::atomic<int64_t> undo_bytes_{0};
+  std::atomic<int64_t> exceptions_{0};
+};
+
+}  // namespace superchip

@@ -1,0 +1,267 @@
+#include "backend/engine/OffloadEngine.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+
+// Note [Pending storages]
+// The optimizer step behaves like a kernel launch: step() queues jobs and returns, and an
+// operator that touches a storage a queued job uses waits for that job only. The table maps
+// a StorageImpl to the number of queued jobs that use it (and to a speculation hold, see the
+// header). Operators call wait_for_storage() for every superchip operand (executor_alias,
+// the one place every forwarded operand, copy and .item() passes); when nothing is pending it
+// costs one relaxed atomic load. The worker itself never waits (its jobs touch the storages
+// they are pending on).
+//
+// Jobs run under the ThreadLocalState of the thread that submitted them, so the profiler's
+// callbacks follow them onto the worker and their `superchip::...` ranges show up in traces.
+
+namespace superchip {
+namespace {
+
+thread_local bool t_on_worker = false;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+OffloadEngine& OffloadEngine::get() {
+  // Leaked on purpose: the worker must outlive every static that a job may still use at exit.
+  static OffloadEngine* engine = new OffloadEngine();
+  return *engine;
+}
+
+OffloadEngine::OffloadEngine() : worker_([this] { worker_loop(); }) {}
+
+OffloadEngine::~OffloadEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
+}
+
+bool OffloadEngine::on_worker() { return t_on_worker; }
+
+void OffloadEngine::wrap(EngineJob& job) {
+  auto tls = std::make_shared<at::ThreadLocalState>();
+  auto body = std::move(job.run);
+  const char* name = job.name;
+  job.run = [tls, body = std::move(body), name] {
+    at::ThreadLocalStateGuard tls_guard(*tls);
+    RECORD_FUNCTION(name, std::vector<c10::IValue>());
+    body();
+  };
+}
+
+uint64_t OffloadEngine::submit_locked(EngineJob job) {
+  const uint64_t ticket = next_ticket_++;
+  for (const auto& s : job.touched) {
+    Entry& e = pending_[s.get()];
+    if (e.jobs++ == 0 && !e.hold) active_.fetch_add(1, std::memory_order_relaxed);
+    e.owner = job.owner;
+  }
+  queue_.emplace_back(ticket, std::move(job));
+  return ticket;
+}
+
+uint64_t OffloadEngine::submit(EngineJob job) {
+  release_finished();
+  wrap(job);
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ticket = submit_locked(std::move(job));
+  }
+  work_cv_.notify_one();
+  return ticket;
+}
+
+uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHold* hold) {
+  release_finished();
+  wrap(job);
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ticket = submit_locked(std::move(job));
+    for (const auto& s : hold->storages) {
+      auto it = pending_.find(s.get());
+      if (it == pending_.end() || it->second.hold.get() != hold) continue;
+      it->second.hold.reset();
+      if (it->second.jobs == 0) {
+        pending_.erase(it);
+        active_.fetch_sub(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  work_cv_.notify_one();
+  return ticket;
+}
+
+void OffloadEngine::worker_loop() {
+  t_on_worker = true;
+  for (;;) {
+    std::pair<uint64_t, EngineJob> item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::exception_ptr err;
+    try {
+      item.second.run();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    const double secs = seconds_since(t0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (err && !error_) error_ = err;
+      done_upto_ = item.first;
+      finish(item.second, secs);
+    }
+    done_cv_.notify_all();
+  }
+}
+
+// Under mu_.
+void OffloadEngine::finish(EngineJob& job, double seconds) {
+  stats_[job.owner].optimizer_seconds += seconds;
+  for (const auto& s : job.touched) {
+    auto it = pending_.find(s.get());
+    if (it == pending_.end()) continue;
+    if (--it->second.jobs == 0 && !it->second.hold) {
+      pending_.erase(it);
+      active_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  job.run = nullptr;
+  finished_.push_back(std::move(job));
+  has_finished_.store(true, std::memory_order_release);
+}
+
+void OffloadEngine::release_finished() {
+  if (t_on_worker || !has_finished_.load(std::memory_order_acquire)) return;
+  std::vector<EngineJob> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done.swap(finished_);
+    has_finished_.store(false, std::memory_order_release);
+  }
+  // `done` drops the tensors here, on the caller's thread.
+}
+
+void OffloadEngine::wait(uint64_t ticket, int64_t owner) {
+  TORCH_CHECK(!t_on_worker, "superchip: internal error: the engine worker waited for itself");
+  const auto t0 = std::chrono::steady_clock::now();
+  bool waited = false;
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (done_upto_ < ticket) {
+      waited = true;
+      RECORD_FUNCTION("superchip::wait", std::vector<c10::IValue>());
+      done_cv_.wait(lock, [&] { return done_upto_ >= ticket; });
+    }
+    if (waited) stats_[owner].exposed_seconds += seconds_since(t0);
+    std::swap(err, error_);
+  }
+  release_finished();
+  if (err) std::rethrow_exception(err);
+}
+
+void OffloadEngine::synchronize() {
+  uint64_t last;
+  int64_t owner = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = next_ticket_ - 1;
+    if (!queue_.empty()) owner = queue_.back().second.owner;
+  }
+  wait(last, owner);
+}
+
+void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
+  if (active_.load(std::memory_order_relaxed) == 0) {
+    if (has_finished_.load(std::memory_order_relaxed)) release_finished();
+    return;
+  }
+  if (t_on_worker) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = pending_.find(s);
+    if (it == pending_.end()) return;
+    const int64_t owner = it->second.owner;
+    if (std::shared_ptr<SpeculationHold> h = it->second.hold) {
+      // A reader before step(): the plain run shows the unstepped values. The hold becomes a
+      // rollback job over the same storages, atomically, so no reader sees them in between.
+      EngineJob job;
+      job.name = "superchip::rollback";
+      job.owner = h->owner();
+      job.touched = h->storages;
+      job.run = [h] { h->rollback(); };
+      wrap(job);
+      for (const auto& st : h->storages) {
+        auto e = pending_.find(st.get());
+        if (e != pending_.end() && e->second.hold == h) e->second.hold.reset();
+      }
+      stats_[h->owner()].rollbacks_on_read += 1;
+      submit_locked(std::move(job));
+      work_cv_.notify_one();
+    }
+    RECORD_FUNCTION("superchip::wait", std::vector<c10::IValue>());
+    done_cv_.wait(lock, [&] {
+      auto e = pending_.find(s);
+      return e == pending_.end() || (e->second.jobs == 0 && !e->second.hold);
+    });
+    stats_[owner].exposed_seconds += seconds_since(t0);
+  }
+  release_finished();
+}
+
+void OffloadEngine::hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages,
+                         std::shared_ptr<SpeculationHold> hold) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : storages) {
+    Entry& e = pending_[s.get()];
+    if (e.jobs == 0 && !e.hold) active_.fetch_add(1, std::memory_order_relaxed);
+    e.hold = hold;
+    e.owner = hold->owner();
+  }
+  hold->storages = std::move(storages);
+}
+
+void OffloadEngine::release_hold(const SpeculationHold* hold) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : hold->storages) {
+    auto it = pending_.find(s.get());
+    if (it == pending_.end() || it->second.hold.get() != hold) continue;
+    it->second.hold.reset();
+    if (it->second.jobs == 0) {
+      pending_.erase(it);
+      active_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  done_cv_.notify_all();
+}
+
+OwnerStats OffloadEngine::stats(int64_t owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_[owner];
+}
+
+void OffloadEngine::add_exposed(int64_t owner, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_[owner].exposed_seconds += seconds;
+}
+
+}  // namespace superchip

@@ -1,0 +1,115 @@
+// The offload engine's runtime: one worker thread that runs optimizer jobs (bucket copies,
+// CPU steps, validations, rollbacks) in submission order, and the per-storage pending table
+// that makes the asynchronous step look synchronous (Note [Pending storages]).
+// Contract:
+//  - A job names the storages it reads or writes; from submit() until the job has run, any
+//    operator on another thread that touches one of them (every forwarded operand, copies,
+//    .item(), move_to_tier) waits for exactly those jobs: wait_for_storage().
+//  - A speculation hold marks storages whose visible bytes are speculative (a step that has
+//    not been validated yet). Touching a held storage first runs the hold's rollback, then
+//    proceeds: the reader sees the values of the plain, unstepped run.
+//  - Jobs never release tensors on the worker (that may need the GIL); finished jobs are
+//    released by the next submit/wait/synchronize on a caller's thread.
+//  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize.
+// Thread-safety: every member may be called from any thread except the worker itself.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/StorageImpl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace superchip {
+
+struct EngineJob {
+  const char* name = "superchip::job";       // profiler range of the job
+  int64_t owner = 0;                         // the optimizer that submitted it (stats)
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> touched;  // pending until it has run
+  std::function<void()> run;                 // runs on the worker
+  std::vector<at::Tensor> keep;              // kept alive until released on a caller's thread
+};
+
+// Rollback of speculative storages, triggered by a reader (see hold()).
+class SpeculationHold {
+ public:
+  virtual ~SpeculationHold() = default;
+  // Undoes the speculative bytes, on the worker; called at most once.
+  virtual void rollback() = 0;
+  virtual int64_t owner() const = 0;
+  // The storages the hold covers; set by OffloadEngine::hold().
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages;
+};
+
+struct OwnerStats {
+  double optimizer_seconds = 0.0;  // worker time in this owner's jobs
+  double exposed_seconds = 0.0;    // time other threads waited for this owner's jobs
+  int64_t rollbacks_on_read = 0;   // speculations undone because a reader touched them
+};
+
+class OffloadEngine {
+ public:
+  static OffloadEngine& get();
+
+  // Queues `job`; returns its ticket (tickets increase by one per job).
+  uint64_t submit(EngineJob job);
+  // Blocks until the job with `ticket` (and every job before it) has run; counts the wait as
+  // exposed time of `owner`. Re-raises a job's exception.
+  void wait(uint64_t ticket, int64_t owner);
+  void synchronize();
+  // Called for every operand of an operator: returns at once when nothing is pending.
+  void wait_for_storage(const c10::StorageImpl* s);
+  // Marks `storages` speculative until release_hold(); a reader triggers hold->rollback().
+  void hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages,
+            std::shared_ptr<SpeculationHold> hold);
+  // Queues `job` and ends `hold` in one step, so no reader falls between the two (the job,
+  // which must touch the hold's storages, then decides: validate, or roll back).
+  uint64_t submit_replacing_hold(EngineJob job, const SpeculationHold* hold);
+  // Ends the hold (commit or explicit rollback): readers no longer trigger it.
+  void release_hold(const SpeculationHold* hold);
+  OwnerStats stats(int64_t owner);
+  void add_exposed(int64_t owner, double seconds);
+  // Releases finished jobs' tensors; call from a thread that may take the GIL.
+  void release_finished();
+  static bool on_worker();
+
+ private:
+  OffloadEngine();
+  ~OffloadEngine();
+  void worker_loop();
+  uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped
+  static void wrap(EngineJob& job);
+  void finish(EngineJob& job, double seconds);
+
+  struct Entry {
+    int jobs = 0;
+    int64_t owner = 0;
+    std::shared_ptr<SpeculationHold> hold;
+  };
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::pair<uint64_t, EngineJob>> queue_;
+  std::vector<EngineJob> finished_;
+  std::unordered_map<const c10::StorageImpl*, Entry> pending_;
+  std::unordered_map<int64_t, OwnerStats> stats_;
+  std::exception_ptr error_;
+  uint64_t next_ticket_ = 1;
+  uint64_t done_upto_ = 0;
+  bool stop_ = false;
+  std::atomic<int64_t> active_{0};      // pending entries: the fast path reads only this
+  std::atomic<bool> has_finished_{false};
+  std::thread worker_;
+};
+
+}  // namespace superchip

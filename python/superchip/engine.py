@@ -1,0 +1,276 @@
+"""The offload engine behind ``superchip.optim``: an asynchronous, speculative optimizer step.
+
+Contract (DESIGN.md, "Offload engine"): with ``overlap=True`` every result is bit for bit the
+result of the plain step (``overlap=False``); only the timing changes.
+
+* Buckets: parameters are grouped, in the order backward finishes their gradients
+  (post-accumulate-grad hooks), into buckets of about ``bucket_bytes``.
+* Speculation: when the predictor expects the step to be valid, a finished bucket's gradients
+  are cast-then-moved to ``host`` snapshots and the bucket is stepped on the engine worker
+  during backward, with an undo log (exact rollback, ops/cpu/AdamUndo.h). At ``step()`` the
+  worker validates it: the gradients must be bit for bit the snapshots (a ``clip_grad_norm_``
+  that scaled them, a ``GradScaler.unscale_``, a hook, or a second ``backward()`` fails that)
+  and the hyper-parameters unchanged; a failed bucket is rolled back and redone. A parameter
+  or state read before ``step()`` (or ``zero_grad()`` / a new forward without ``step()``) rolls
+  its bucket back first, so it shows the old values.
+* Asynchronous step: ``step()`` queues the buckets in forward order and returns; an operator
+  touching a tensor a queued job uses waits for that job only (backend/engine/).
+* Tail buckets: the last ``tail_buckets`` buckets of backward keep their fp32 state in ``hbm``
+  and are stepped inline by the executor at ``step()``.
+The engine's C++ half lives in backend/engine/; this module is its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import _C
+
+# Status codes of _C._AdamSpeculation (backend/engine/AdamBucket.h).
+_QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE = range(5)
+_MAX_BACKOFF = 64
+
+
+def overlap_default() -> bool:
+    """``SUPERCHIP_OVERLAP=0`` turns the engine off for every optimizer built afterwards."""
+    v = os.environ.get("SUPERCHIP_OVERLAP", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"SUPERCHIP_OVERLAP must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "on")
+
+
+class _Speculation:
+    __slots__ = ("spec", "grads", "stepped")
+
+    def __init__(self, spec, grads):
+        self.spec = spec
+        self.grads = grads        # {param: (grad tensor, its _version)} when speculated
+        self.stepped = False      # step() has queued its validation
+
+
+class Engine:
+    """Bookkeeping for one optimizer: hooks, buckets, speculation and its predictor, stats."""
+
+    def __init__(self, opt, *, overlap: bool, bucket_bytes: int | None, tail_buckets: int | None,
+                 can_speculate: bool):
+        if bucket_bytes is not None and int(bucket_bytes) <= 0:
+            raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
+        if tail_buckets is not None and int(tail_buckets) < 0:
+            raise ValueError(f"tail_buckets must be >= 0, got {tail_buckets}")
+        self.opt = opt
+        self.owner = id(opt)
+        self.overlap = overlap
+        self.bucket_bytes_arg = bucket_bytes
+        self.tail_arg = tail_buckets
+        self.can_speculate = can_speculate
+        self.buckets: list[list] = []        # backward order
+        self.bucket_of: dict = {}
+        self.tail = 0
+        self.order: list = []                # this backward's finishing order
+        self.fired: dict = {}                # param -> hook firings since the last step()
+        self.ready: dict = {}                # bucket -> firings
+        self.specs: dict = {}                # bucket -> _Speculation (this step)
+        self.outstanding: list = []          # speculations whose outcome is not counted yet
+        self.speculating = False
+        self.multi_backward = False
+        self.backoff = 1
+        self.cooldown = 0
+        self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
+                           undo_bytes=0, undo_elements=0, undo_exceptions=0)
+        self.inline_seconds = 0.0
+        self.sync_seconds = 0.0
+        self.hooks = []
+        if overlap:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- during backward ----
+
+    def _on_grad(self, p) -> None:
+        if not self.fired:
+            self._begin_backward()
+        n = self.fired.get(p, 0) + 1
+        self.fired[p] = n
+        if n > 1:
+            # A second backward() before step(): gradients accumulate, speculation is off.
+            self.multi_backward = True
+            self.speculating = False
+            return
+        self.order.append(p)
+        if not self.speculating:
+            return
+        b = self.bucket_of.get(p)
+        if b is None or b < self.tail:
+            return
+        self.ready[b] = self.ready.get(b, 0) + 1
+        if self.ready[b] == len(self.buckets[b]):
+            self._speculate(b)
+
+    def _begin_backward(self) -> None:
+        self.order = []
+        self.ready = {}
+        failed = self.multi_backward or self._harvest()
+        self.multi_backward = False
+        # The predictor, like a branch predictor: speculate while the recent steps were
+        # valid; after a failure wait 1, 2, 4, ... (at most 64) steps before trying again.
+        if failed:
+            self.backoff = min(2 * self.backoff, _MAX_BACKOFF)
+            self.cooldown = self.backoff
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            self.speculating = False
+        else:
+            if not failed:
+                self.backoff = 1
+            self.speculating = self.can_speculate and bool(self.buckets)
+
+    def _harvest(self) -> bool:
+        """Counts the outcomes of finished speculations; True when one failed."""
+        failed = False
+        keep = []
+        for s in self.outstanding:
+            st = s.spec.status()
+            if st in (_COMMITTED, _REDONE) or (st == _ROLLED_BACK and not s.stepped):
+                if st != _COMMITTED:
+                    self.counts["rolled_back_buckets"] += 1
+                    failed = True
+                self.counts["undo_bytes"] += s.spec.undo_bytes()
+                self.counts["undo_exceptions"] += s.spec.exceptions()
+                self.counts["undo_elements"] += s.spec.elements()
+            else:
+                keep.append(s)
+        self.outstanding = keep
+        return failed
+
+    def _speculate(self, b: int) -> None:
+        params = self.buckets[b]
+        parts = self.opt._engine_parts(params, step_increment=1)
+        if parts is None:
+            return
+        grads = {p: (p.grad, p.grad._version) for p in params}
+        spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32())
+        _C._engine_speculate(spec)
+        self.specs[b] = _Speculation(spec, grads)
+        self.outstanding.append(self.specs[b])
+        self.counts["speculated_buckets"] += 1
+
+    # ---- step() ----
+
+    def step(self) -> None:
+        """Queues the step of every bucket in forward order; returns before they run."""
+        self._plan()
+        self.opt._engine_advance_steps()
+        tail_parts = []
+        for b in reversed(range(len(self.buckets))):
+            params = [p for p in self.buckets[b] if p.grad is not None]
+            if not params:
+                continue
+            spec = self.specs.get(b)
+            parts = self.opt._engine_parts(params, step_increment=0)
+            if b < self.tail:
+                tail_parts.append(parts)
+                continue
+            if spec is not None and len(params) == len(self.buckets[b]):
+                untouched = all(p.grad is g and p.grad._version == v for p, (g, v) in spec.grads.items())
+                _C._engine_validate(spec.spec, parts, untouched)
+                spec.stepped = True
+            else:
+                if spec is not None:
+                    _C._engine_rollback(spec.spec)
+                    spec.stepped = True
+                self.opt._engine_submit(parts)
+        if tail_parts:
+            # The executor steps the tail buckets inline: the next forward starts with them.
+            t0 = time.perf_counter()
+            for parts in tail_parts:
+                self.opt._engine_inline(parts)
+            self.inline_seconds += time.perf_counter() - t0
+        self._end_step(stepped=True)
+
+    def _end_step(self, stepped: bool) -> None:
+        self.specs = {}
+        self.fired = {}
+        self.ready = {}
+        if stepped:
+            self.counts["steps"] += 1
+
+    def _plan(self) -> None:
+        """(Re)builds the buckets when the set of parameters with gradients changed."""
+        with_grad = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        known = set(self.bucket_of)
+        if known == set(with_grad) and self.buckets:
+            return
+        seen = set(self.order)
+        order = [p for p in self.order if p.grad is not None]
+        order += [p for p in reversed(with_grad) if p not in seen]
+        size = self.bucket_bytes()
+        self.buckets, cur, cur_bytes = [], [], 0
+        for p in order:
+            cur.append(p)
+            cur_bytes += p.numel() * p.element_size()
+            if cur_bytes >= size:
+                self.buckets.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.tail = self._choose_tail()
+        self.opt._engine_place_state(self.buckets, self.tail)
+        self.specs = {}
+
+    def bucket_bytes(self) -> int:
+        if self.bucket_bytes_arg is not None:
+            return int(self.bucket_bytes_arg)
+        # Enough buckets to overlap (about 16 per model), each large enough to amortise a job.
+        total = sum(p.numel() * p.element_size() for g in self.opt.param_groups for p in g["params"])
+        return int(min(max(total // 16, 1 << 20), 64 << 20))
+
+    def _choose_tail(self) -> int:
+        if self.tail_arg is not None:
+            return min(int(self.tail_arg), len(self.buckets))
+        # Cost model: a tail bucket is stepped by the executor instead of the CPU. With the CPU
+        # executor both are the same cores, so inline stepping only adds to the critical path.
+        if _C._executor() == "cpu":
+            return 0
+        return min(1, len(self.buckets))
+
+    # ---- outside step() ----
+
+    def rollback_unstepped(self, skipped: bool) -> None:
+        """Undoes speculation whose step() never came (zero_grad, state_dict, a skipped step)."""
+        unstepped = [s for s in self.specs.values() if not s.stepped]
+        for s in unstepped:
+            _C._engine_rollback(s.spec)
+        if unstepped and skipped:
+            self.counts["skipped_steps"] += 1
+        if self.fired and skipped:
+            self.multi_backward = True  # a backward without its step: the predictor backs off
+        self._end_step(stepped=False)
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        _C._engine_synchronize()
+        self.sync_seconds += time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        self.synchronize()
+        self._harvest()
+        s = _C._engine_stats(self.owner)
+        elements = max(self.counts["undo_elements"], 1)
+        return dict(
+            buckets=len(self.buckets),
+            tail_buckets=self.tail,
+            speculated_buckets=self.counts["speculated_buckets"],
+            rolled_back_buckets=self.counts["rolled_back_buckets"],
+            steps=self.counts["steps"],
+            skipped_steps=self.counts["skipped_steps"],
+            optimizer_seconds=float(s["optimizer_seconds"] + self.inline_seconds),
+            exposed_seconds=float(s["exposed_seconds"] + self.inline_seconds),
+            undo_bytes_per_param=self.counts["undo_bytes"] / elements,
+            undo_exception_fraction=self.counts["undo_exceptions"] / elements,
+        )
