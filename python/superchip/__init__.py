@@ -42,6 +42,8 @@ import atexit as _atexit  # noqa: E402
 import time as _time  # noqa: E402
 
 _atexit.register(_time.sleep, 0.02)
+# Queued optimizer steps finish before the interpreter (and the optimizer's thread pool) go.
+_atexit.register(_C._engine_synchronize)
 from . import optim  # noqa: E402,F401
 
 __all__ = [

@@ -7,7 +7,7 @@ import torch
 
 import superchip
 
-_RATE_ELEMENTS = 1 << 22  # 16 MiB per fp32 array: past the caches, measured in well under a second
+_RATE_ELEMENTS = 1 << 25  # 128 MiB per fp32 array: past the caches (16 MiB arrays sit in them)
 
 
 def _best_of(fn, reps: int = 5) -> float:
@@ -30,7 +30,11 @@ def measured_rates() -> list:
     p = torch.nn.Parameter(torch.rand(n))
     p.grad = torch.rand(n)
     opt = superchip.optim.AdamW([p])
-    adam = _best_of(opt.step)
+    def step():
+        opt.step()
+        torch.superchip.synchronize()
+
+    adam = _best_of(step, reps=3)
     return [
         f"host bandwidth (in-place triad): {triad / 1e9:.1f} GB/s",
         f"fused AdamW fp32: {n / adam / 1e6:.0f} Mparam/s, {floor / adam:.2f} of the 28 B/param "
@@ -54,7 +58,15 @@ def info() -> None:
         print(f"  {line}")
     print("topology:")
     print(superchip._C._topology())
-    print("cast-then-move rule: the narrower dtype crosses the link (fixed rule; no link model yet)")
+    lm = superchip.optim.link_model()
+    print("link-cost model (cast-then-move of gradient buckets, measured now):")
+    print(f"  link (hbm -> host copy): {lm['link_bytes_per_s'] / 1e9:.1f} GB/s; bf16->fp32 cast: "
+          f"executor {lm['executor_cast_bytes_per_s'] / 1e9:.1f} GB/s, cpu "
+          f"{lm['cpu_cast_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"  per GiB of bf16 gradients: cast on executor then move fp32 "
+          f"{lm['seconds_per_gi_cast_on_executor'] * 1e3:.0f} ms, move bf16 and cast on cpu "
+          f"{lm['seconds_per_gi_cast_on_cpu'] * 1e3:.0f} ms -> cast on {lm['cast_on']} "
+          f"(SUPERCHIP_CAST_ON overrides)")
 
 
 if __name__ == "__main__":

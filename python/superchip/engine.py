@@ -35,8 +35,13 @@ _MAX_BACKOFF = 64
 
 
 def overlap_default() -> bool:
-    """``SUPERCHIP_OVERLAP=0`` turns the engine off for every optimizer built afterwards."""
-    v = os.environ.get("SUPERCHIP_OVERLAP", "1").strip().lower()
+    """``SUPERCHIP_OVERLAP=1`` turns the engine on for optimizers built without ``overlap=``.
+
+    Off by default for now: under pytest's file-descriptor capture a run with the engine on
+    stalls (the root cause is not found yet; see test_offload_engine.py), so the engine is
+    opt-in until that is understood.
+    """
+    v = os.environ.get("SUPERCHIP_OVERLAP", "0").strip().lower()
     if v not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"SUPERCHIP_OVERLAP must be 0 or 1, got {v!r}")
     return v in ("1", "true", "on")

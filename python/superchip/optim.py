@@ -426,7 +426,7 @@ _LINK_MODEL: dict | None = None
 def link_model() -> dict:
     """The measured link-cost model that decides where a gradient bucket's cast runs.
 
-    Measured once per process on 16 Mi elements: the link (a copy from ``hbm`` into ``host``),
+    Measured once per process on 32 Mi elements (64 MiB of bf16, past the caches): the link (a copy from ``hbm`` into ``host``),
     the executor's bf16->fp32 cast, and the CPU's. Casting on the executor then moving fp32
     costs 2n/exec_cast + 4n/link; moving bf16 and casting on the CPU (inside the fused step)
     costs 2n/link + 2n/cpu_cast. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
@@ -439,7 +439,7 @@ def link_model() -> dict:
 
     from . import move_to_tier
 
-    n = 1 << 24
+    n = 1 << 25
 
     def best(fn, reps=3):
         fn()
