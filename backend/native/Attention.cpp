@@ -21,8 +21,9 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
   if (executor() != Executor::kCpu) return static_cast<int64_t>(sdp::SDPBackend::math);
   std::optional<at::Tensor> mask;
-  if (attn_mask.has_value() && attn_mask->defined()) mask = executor_alias(*attn_mask);
-  return at::_fused_sdp_choice(executor_alias(query), executor_alias(key), executor_alias(value),
+  if (attn_mask.has_value() && attn_mask->defined()) mask = executor_alias(*attn_mask, Access::kRead);
+  return at::_fused_sdp_choice(executor_alias(query, Access::kRead), executor_alias(key, Access::kRead),
+                               executor_alias(value, Access::kRead),
                                mask, dropout_p, is_causal, scale, enable_gqa);
 }
 

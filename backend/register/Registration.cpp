@@ -90,6 +90,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   using namespace superchip::native;
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
   m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("_efficientzerotensor", TORCH_FN(efficientzerotensor));
   m.impl("as_strided", TORCH_FN(as_strided));
   m.impl("view", TORCH_FN(view));
   m.impl("_reshape_alias", TORCH_FN(reshape_alias));
