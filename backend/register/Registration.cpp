@@ -7,6 +7,7 @@
 
 #include "backend/native/Forward.h"
 #include "backend/native/Native.h"
+#include "backend/native/Rnn.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -80,6 +81,20 @@ int register_executor_kernels() {
     if (!name.overload_name.empty()) full += "." + name.overload_name;
     lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
     ++count;
+  }
+  // Composite kernels that reach a device-specific piece (a DispatchStub, a device-type check)
+  // and refuse PrivateUse1; the executor's dispatch slot runs the same composite with it.
+  for (const char* name : {"mode.values", "conj_physical_"}) {
+    lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
+    ++count;
+  }
+  if (executor() == Executor::kCpu) {
+    // Note [Fused RNN cells]: ATen's RNN cells take the fused path for any non-CPU input.
+    static torch::Library* autograd_lib = new torch::Library(
+        torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+    autograd_lib->impl("_thnn_fused_lstm_cell", TORCH_FN(native::fused_lstm_cell_decomposed));
+    autograd_lib->impl("_thnn_fused_gru_cell", TORCH_FN(native::fused_gru_cell_decomposed));
+    count += 2;
   }
   return count;
 }
