@@ -1,4 +1,4 @@
-// The fused RNN cells with the CPU executor. ATen's LSTM/GRU cells take the fused path
+// Note [Fused RNN cells]: the fused RNN cells with the CPU executor. ATen's LSTM/GRU cells take the fused path
 // (_thnn_fused_lstm_cell, _thnn_fused_gru_cell) for every non-CPU input; the CPU has no
 // kernel for them. With the CPU executor these decompositions, registered to
 // AutogradPrivateUse1, compute the same cell with differentiable ops (autograd derives their
