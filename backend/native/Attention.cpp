@@ -16,14 +16,23 @@
 namespace superchip {
 namespace {
 
+// The executor's choice depends on which inputs require grad (a kernel not differentiable in
+// the mask is not chosen for a mask that requires grad); an alias has no autograd meta, so it
+// is marked like the original.
+at::Tensor choice_alias(const at::Tensor& t) {
+  at::Tensor a = executor_alias(t, Access::kRead);
+  if (t.requires_grad()) a.requires_grad_(true);
+  return a;
+}
+
 int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask, double dropout_p,
                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
   if (executor() != Executor::kCpu) return static_cast<int64_t>(sdp::SDPBackend::math);
   std::optional<at::Tensor> mask;
-  if (attn_mask.has_value() && attn_mask->defined()) mask = executor_alias(*attn_mask);
-  return at::_fused_sdp_choice(executor_alias(query), executor_alias(key), executor_alias(value),
-                               mask, dropout_p, is_causal, scale, enable_gqa);
+  if (attn_mask.has_value() && attn_mask->defined()) mask = choice_alias(*attn_mask);
+  return at::_fused_sdp_choice(choice_alias(query), choice_alias(key), choice_alias(value), mask,
+                               dropout_p, is_causal, scale, enable_gqa);
 }
 
 }  // namespace

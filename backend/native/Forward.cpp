@@ -1,10 +1,12 @@
 #include "backend/native/Forward.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -19,6 +21,24 @@ namespace {
 
 // ---- aliases ----
 
+// Note [One executor storage per superchip storage]
+// ATen detects an out= tensor that overlaps an input, and in-place aliasing, by comparing
+// StorageImpls (Storage::is_alias_of) before it compares byte ranges. One fresh executor
+// StorageImpl per operand would hide every overlap: CPU raises "some elements of the input
+// tensor and the written-to tensor refer to a single memory location" where superchip would
+// compute a wrong answer. So, within one executor call, all operands over one superchip
+// storage are aliased over ONE executor StorageImpl, as they share one StorageImpl on CPU.
+// When the kernel resizes that storage (an out= resize), every alias sees the new bytes, as
+// on CPU, and sync_mutated_arguments adopts them into the superchip storage once.
+//
+// Note [Copy-on-write operands]
+// torch._lazy_clone makes storages share bytes until one is written (c10/core/impl/COW.cpp):
+// taking a storage's mutable data pointer copies it. An operand the executor only reads is
+// aliased through the const pointer, so reading a lazy clone never copies it (as on CPU);
+// an operand the schema marks as written (Tensor(a!)) is materialized first. When a written
+// operand comes after a read one over the same storage, the shared executor storage is
+// re-pointed at the materialized bytes before the kernel runs.
+
 // An alias DataPtr's context is the superchip StorageImpl, holding one reference.
 void alias_release(void* ctx) noexcept {
   c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx));
@@ -30,13 +50,26 @@ c10::StorageImpl* aliased_superchip_storage(const c10::Storage& s) {
   return static_cast<c10::StorageImpl*>(dp.get_context());
 }
 
+c10::DataPtr alias_data_ptr(c10::StorageImpl* si, Access access, c10::Device executor_device) {
+  void* data = access == Access::kWrite ? si->mutable_data() : const_cast<void*>(si->data());
+  c10::raw::intrusive_ptr::incref(si);
+  return c10::DataPtr(data, si, &alias_release, executor_device);
+}
+
 c10::Allocator* executor_allocator() {
   return c10::GetAllocator(executor_device_type());
 }
 
-c10::DispatchKeySet executor_keyset() {
-  return c10::DispatchKeySet(executor() == Executor::kCuda ? c10::DispatchKey::CUDA
-                                                           : c10::DispatchKey::CPU);
+c10::DispatchKey executor_key() {
+  return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+}
+
+// `backend` plus the ZeroTensor key when `like` is a zero tensor: that key can only be given
+// at construction (TensorImpl::_set_zero(true) asserts).
+c10::DispatchKeySet keys_like(c10::DispatchKey backend, const at::Tensor& like) {
+  c10::DispatchKeySet keys(backend);
+  if (like._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);
+  return keys;
 }
 
 bool is_superchip(const at::Tensor& t) {
@@ -57,10 +90,35 @@ c10::Storage adopt_as_superchip_storage(const c10::Storage& executor_storage, c1
 // A superchip tensor over `storage` with the sizes, strides, offset and view bits of `like`.
 at::Tensor superchip_tensor(c10::Storage storage, const at::Tensor& like) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
+      std::move(storage), keys_like(c10::DispatchKey::PrivateUse1, like), like.dtype());
   impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
   copy_view_bits(impl.get(), like);
   return at::Tensor(std::move(impl));
+}
+
+// A fresh executor result that is a zero tensor owns no memory: it stays a zero tensor on
+// superchip, with nothing accounted.
+at::Tensor retag_zero_tensor(const at::Tensor& r, c10::DeviceIndex device) {
+  at::Tensor z = superchip_zero_tensor(r.sizes(), r.strides(), r.dtype(), device);
+  z.unsafeGetTensorImpl()->set_storage_offset(r.storage_offset());
+  copy_view_bits(z.unsafeGetTensorImpl(), r);
+  return z;
+}
+
+// Memory of a zero tensor: none. The allocator exists so the storage has one; it hands out
+// null pointers, like ATen's ZeroTensorAllocator.
+class ZeroAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t /*nbytes*/) override {
+    return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, current_device()));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
+};
+
+ZeroAllocator& zero_allocator() {
+  static ZeroAllocator a;
+  return a;
 }
 
 // ---- per-operator facts, computed once per schema and thread ----
@@ -121,7 +179,7 @@ class ForwardedCall {
   void run() {
     find_device();
     rewrite_arguments();
-    op_.redispatchBoxed(executor_keyset(), stack_);
+    op_.redispatchBoxed(c10::DispatchKeySet(executor_key()), stack_);
     sync_mutated_arguments();
     retag_returns();
   }
@@ -179,7 +237,13 @@ class ForwardedCall {
 
   at::Tensor alias_of(const at::Tensor& t, bool mutated) {
     if (!is_superchip(t)) return t;
-    at::Tensor a = executor_alias(t);
+    at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : Access::kRead);
+    for (AliasPair& p : pairs_) {
+      if (p.alias.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) {
+        p.mutated |= mutated;
+        return a;
+      }
+    }
     pairs_.push_back({t, a, mutated});
     return a;
   }
@@ -228,13 +292,18 @@ class ForwardedCall {
 
   // An out= or in-place op may have resized its executor alias: the bytes then live in new
   // executor memory, which the superchip storage adopts, and the metadata follows.
+  // Operands over one superchip storage share one executor storage (Note [One executor
+  // storage per superchip storage]): its new bytes are adopted once.
   void sync_mutated_arguments() {
+    std::vector<c10::StorageImpl*> adopted;
     for (AliasPair& p : pairs_) {
       if (!p.mutated) continue;
       c10::TensorImpl* orig = p.original.unsafeGetTensorImpl();
       const at::Tensor& a = p.alias;
       c10::StorageImpl* orig_storage = p.original.storage().unsafeGetStorageImpl();
-      if (aliased_superchip_storage(a.storage()) != orig_storage) {
+      if (aliased_superchip_storage(a.storage()) != orig_storage &&
+          std::find(adopted.begin(), adopted.end(), orig_storage) == adopted.end()) {
+        adopted.push_back(orig_storage);
         const size_t nbytes = a.storage().nbytes();
         c10::DataPtr adopted = adopt_executor_storage(a.storage(), device_);
         c10::DataPtr old = orig_storage->set_data_ptr(std::move(adopted));
@@ -259,6 +328,7 @@ class ForwardedCall {
     // Several results may view one fresh executor storage: adopt it once, share it.
     c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
     if (aliased_superchip_storage(r.storage()) == nullptr) {
+      if (r._is_zerotensor()) return retag_zero_tensor(r, device_);
       for (auto& [impl, storage] : adopted_) {
         if (impl == es) return superchip_tensor(storage, r);
       }
@@ -292,32 +362,76 @@ class ForwardedCall {
   size_t first_ = 0;
   c10::DeviceIndex device_ = -1;
   std::optional<c10::Device> foreign_;
+  AliasSet aliases_;
   std::vector<AliasPair> pairs_;
   std::vector<std::pair<c10::StorageImpl*, c10::Storage>> adopted_;
 };
 
 }  // namespace
 
-at::Tensor executor_alias(const at::Tensor& t) {
-  if (!t.defined()) return t;
+c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
   c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
   // An optimizer step still pending on these bytes finishes first (Note [Pending storages]).
   OffloadEngine::get().wait_for_storage(si);
-  c10::raw::intrusive_ptr::incref(si);
-  c10::DataPtr dp(si->mutable_data(), si, &alias_release, executor_device(t.device().index()));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), si->nbytes(), std::move(dp),
-                       executor_allocator(), /*resizable=*/true);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), executor_keyset(), t.dtype());
+  const c10::Device device = executor_device(t.device().index());
+  for (Shared& s : storages_) {
+    if (s.superchip != si) continue;
+    if (access == Access::kWrite && !s.writable) {
+      // Note [Copy-on-write operands]: materialize, then re-point the shared storage.
+      const void* shared = si->data();
+      if (si->mutable_data() != shared) {
+        s.executor.unsafeGetStorageImpl()->set_data_ptr_noswap(alias_data_ptr(si, access, device));
+      }
+      s.writable = true;
+    }
+    return s.executor;
+  }
+  c10::Storage storage(c10::Storage::use_byte_size_t(), si->nbytes(),
+                       alias_data_ptr(si, access, device), executor_allocator(),
+                       /*resizable=*/true);
+  storages_.push_back({si, storage, access == Access::kWrite});
+  return storage;
+}
+
+at::Tensor AliasSet::alias(const at::Tensor& t, Access access) {
+  if (!t.defined()) return t;
+  c10::Storage storage = executor_storage(t, access);
+  for (const auto& [impl, a] : tensors_) {
+    if (impl == t.unsafeGetTensorImpl()) return a;
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
+                                                   keys_like(executor_key(), t), t.dtype());
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   copy_view_bits(impl.get(), t);
-  return at::Tensor(std::move(impl));
+  at::Tensor a(std::move(impl));
+  tensors_.emplace_back(t.unsafeGetTensorImpl(), a);
+  return a;
+}
+
+at::Tensor executor_alias(const at::Tensor& t, Access access) {
+  AliasSet one;
+  return one.alias(t, access);
 }
 
 at::Tensor retag_result(const at::Tensor& r, c10::DeviceIndex device) {
   if (c10::StorageImpl* base = aliased_superchip_storage(r.storage())) {
     return superchip_tensor(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(base)), r);
   }
+  if (r._is_zerotensor()) return retag_zero_tensor(r, device);
   return superchip_tensor(adopt_as_superchip_storage(r.storage(), device), r);
+}
+
+at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                 caffe2::TypeMeta dtype, c10::DeviceIndex device) {
+  const size_t nbytes = at::detail::computeStorageNbytes(sizes, strides, dtype.itemsize());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       c10::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, device)),
+                       &zero_allocator(), /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage),
+      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1).add(c10::DispatchKey::ZeroTensor), dtype);
+  impl->set_sizes_and_strides(sizes, strides);
+  return at::Tensor(std::move(impl));
 }
 
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

@@ -2,6 +2,8 @@
 // A superchip tensor is *aliased* as an executor tensor over the same bytes (no copy); the
 // executor's kernel runs; each result is *re-tagged* as a superchip tensor: a view of an
 // input keeps that input's superchip storage, a fresh result is adopted and accounted in hbm.
+// Aliases keep every view bit of the original (conj, neg, zero); see Note [One executor
+// storage per superchip storage] and Note [Copy-on-write operands] in Forward.cpp.
 // Thread-safety: stateless apart from a thread-local cache of per-operator facts.
 #pragma once
 
@@ -9,14 +11,45 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <utility>
+#include <vector>
+
 namespace superchip {
 
-// An executor tensor over the bytes of superchip tensor `t` (same sizes, strides, offset,
-// dtype, conj/neg bits). It keeps t's storage alive. Undefined in, undefined out.
-at::Tensor executor_alias(const at::Tensor& t);
+// How an executor kernel uses an operand. kWrite materializes a copy-on-write storage
+// (torch._lazy_clone) before aliasing it; kRead leaves it shared.
+enum class Access { kRead, kWrite };
+
+// Aliases for one executor call. Operands over one superchip storage share one executor
+// StorageImpl, so ATen's overlap checks (out= overlapping an input) and in-place aliasing
+// see what they see on CPU; one superchip tensor gets one alias tensor.
+class AliasSet {
+ public:
+  // An executor tensor over the bytes of superchip tensor `t` (same sizes, strides, offset,
+  // dtype, conj/neg/zero bits). Undefined in, undefined out.
+  at::Tensor alias(const at::Tensor& t, Access access);
+
+ private:
+  struct Shared {
+    c10::StorageImpl* superchip;  // not owned: the executor storage's DataPtr holds a reference
+    c10::Storage executor;
+    bool writable;
+  };
+  c10::Storage executor_storage(const at::Tensor& t, Access access);
+  std::vector<Shared> storages_;
+  std::vector<std::pair<c10::TensorImpl*, at::Tensor>> tensors_;
+};
+
+// A one-operand AliasSet. kWrite (the default) is always safe; pass kRead for operands the
+// executor only reads, so a lazily cloned storage is not copied.
+at::Tensor executor_alias(const at::Tensor& t, Access access = Access::kWrite);
 // A superchip tensor for executor result `r`: shares the superchip storage when `r` views an
-// alias, otherwise adopts r's memory into superchip:device (accounted in hbm).
+// alias, otherwise adopts r's memory into superchip:device (accounted in hbm). A zero tensor
+// (torch._efficientzerotensor) stays one and owns no memory.
 at::Tensor retag_result(const at::Tensor& r, c10::DeviceIndex device);
+// A zero tensor (no memory, reads as zeros, immutable) of superchip:device.
+at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                 caffe2::TypeMeta dtype, c10::DeviceIndex device);
 
 // The boxed fallback registered for every aten op without a native superchip kernel.
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);

@@ -11,6 +11,7 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
@@ -74,6 +75,16 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                                            c10::dtype_or_default(dtype));
 }
 
+at::Tensor efficientzerotensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                              std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                              std::optional<bool> pin_memory) {
+  check_factory_args(layout, pin_memory);
+  at::detail::check_size_nonnegative(size);
+  const c10::DeviceIndex index = device_of(device);
+  return superchip_zero_tensor(size, c10::contiguous_strides(size),
+                               c10::scalarTypeToTypeMeta(c10::dtype_or_default(dtype)), index);
+}
+
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       std::optional<int64_t> storage_offset) {
   return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
@@ -131,8 +142,10 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
               "copy between superchip and ", self.device(), " is not supported; go through the cpu.");
   TORCH_CHECK(is_superchip(dst) || is_executor_or_cpu(dst),
               "copy between superchip and ", dst.device(), " is not supported; go through the cpu.");
-  at::Tensor src_x = is_superchip(self) ? executor_alias(self) : self;
-  at::Tensor dst_x = is_superchip(dst) ? executor_alias(dst) : dst;
+  // One AliasSet: a source overlapping the destination is seen as on CPU.
+  AliasSet aliases;
+  at::Tensor src_x = is_superchip(self) ? aliases.alias(self, Access::kRead) : self;
+  at::Tensor dst_x = is_superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
   const bool crosses_link = executor() == Executor::kCuda && src_x.device() != dst_x.device();
   if (crosses_link && src_x.scalar_type() != dst_x.scalar_type()) {
     // Cast-then-move, fixed rule until the link-cost model lands: the narrower dtype is the
@@ -160,7 +173,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
-  return at::_local_scalar_dense(executor_alias(self));
+  return at::_local_scalar_dense(executor_alias(self, Access::kRead));
 }
 
 bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
@@ -178,8 +191,9 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                     bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
   std::optional<at::Tensor> bias_x;
-  if (bias.has_value() && bias->defined()) bias_x = executor_alias(*bias);
-  at::Tensor out = at::convolution(executor_alias(input), executor_alias(weight), bias_x, stride,
+  if (bias.has_value() && bias->defined()) bias_x = executor_alias(*bias, Access::kRead);
+  at::Tensor out = at::convolution(executor_alias(input, Access::kRead),
+                                   executor_alias(weight, Access::kRead), bias_x, stride,
                                    padding, dilation, transposed, output_padding, groups);
   return retag_result(out, input.device().index());
 }
@@ -192,7 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   const int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
   std::vector<int64_t> bias_sizes{out_channels};
   auto [gi, gw, gb] = at::convolution_backward(
-      executor_alias(grad_output), executor_alias(input), executor_alias(weight),
+      executor_alias(grad_output, Access::kRead), executor_alias(input, Access::kRead),
+      executor_alias(weight, Access::kRead),
       output_mask[2] ? at::OptionalIntArrayRef(bias_sizes) : std::nullopt, stride, padding,
       dilation, transposed, output_padding, groups, output_mask);
   const c10::DeviceIndex device = input.device().index();

@@ -19,6 +19,10 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
                          std::optional<c10::Device> device, std::optional<bool> pin_memory);
+// A zero tensor (ZeroTensor key, no memory): what real-valued sgn's backward returns.
+at::Tensor efficientzerotensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                              std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                              std::optional<bool> pin_memory);
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       std::optional<int64_t> storage_offset);
 at::Tensor view(const at::Tensor& self, c10::IntArrayRef size);

@@ -7,6 +7,7 @@
 
 #include "backend/native/Forward.h"
 #include "backend/native/Native.h"
+#include "backend/native/Rnn.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -81,6 +82,20 @@ int register_executor_kernels() {
     lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
     ++count;
   }
+  // Composite kernels that reach a device-specific piece (a DispatchStub, a device-type check)
+  // and refuse PrivateUse1; the executor's dispatch slot runs the same composite with it.
+  for (const char* name : {"mode.values", "conj_physical_"}) {
+    lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
+    ++count;
+  }
+  if (executor() == Executor::kCpu) {
+    // Note [Fused RNN cells]: ATen's RNN cells take the fused path for any non-CPU input.
+    static torch::Library* autograd_lib = new torch::Library(
+        torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+    autograd_lib->impl("_thnn_fused_lstm_cell", TORCH_FN(native::fused_lstm_cell_decomposed));
+    autograd_lib->impl("_thnn_fused_gru_cell", TORCH_FN(native::fused_gru_cell_decomposed));
+    count += 2;
+  }
   return count;
 }
 
@@ -90,6 +105,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   using namespace superchip::native;
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
   m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("_efficientzerotensor", TORCH_FN(efficientzerotensor));
   m.impl("as_strided", TORCH_FN(as_strided));
   m.impl("view", TORCH_FN(view));
   m.impl("_reshape_alias", TORCH_FN(reshape_alias));

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 #include "allocator/Topology.h"
 #include "backend/runtime/Runtime.h"
@@ -35,6 +36,9 @@ void block_delete(void* ptr) noexcept {
 }
 
 // ---- adopted DataPtrs: an executor kernel's output, accounted as external hbm bytes ----
+// Their context is the data pointer itself, as for blocks, so c10 counts them as simple
+// DataPtrs and torch._lazy_clone can wrap them (its copy-on-write steal rebuilds a DataPtr
+// from the context and asserts context == data). The AdoptedBlock is found by address.
 
 struct AdoptedBlock {
   c10::Storage executor_storage;  // keeps the executor's memory alive
@@ -42,10 +46,33 @@ struct AdoptedBlock {
   size_t nbytes;
 };
 
-void adopted_delete(void* ctx) noexcept {
-  auto* a = static_cast<AdoptedBlock*>(ctx);
+struct AdoptedRegistry {
+  std::mutex mutex;
+  // A multimap: two executor storages never share a data pointer, but one that did must
+  // not lose its accounting.
+  std::unordered_multimap<const void*, AdoptedBlock*> blocks;
+};
+
+AdoptedRegistry& adopted_registry() {
+  static auto* r = new AdoptedRegistry();  // leaked on purpose: deleters run at exit
+  return *r;
+}
+
+void adopted_delete(void* data) noexcept {
+  AdoptedBlock* a = nullptr;
+  {
+    AdoptedRegistry& r = adopted_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.blocks.find(data);
+    if (it == r.blocks.end()) {
+      std::fprintf(stderr, "superchip: internal error: releasing adopted memory %p, which is not registered\n", data);
+      return;
+    }
+    a = it->second;
+    r.blocks.erase(it);
+  }
   a->memory->release_external(Tier::kHbm, a->nbytes);
-  delete a;
+  delete a;  // drops the executor storage outside the registry lock
 }
 
 c10::CachingDeviceAllocator::DeviceStats to_device_stats(const TierStats& t) {
@@ -118,21 +145,28 @@ c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device)
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
   MemoryManager& m = memory(device);
   const size_t nbytes = executor_storage.nbytes();
+  void* data = const_cast<void*>(executor_storage.data());
+  const c10::Device superchip_device(c10::DeviceType::PrivateUse1, device);
+  // No bytes to keep alive (an empty result): nothing to account or register.
+  if (data == nullptr) return c10::DataPtr(nullptr, superchip_device);
   try {
     m.account_external(Tier::kHbm, nbytes);
   } catch (const OutOfTierMemory& e) {
     rethrow_as_torch_oom(e);
   }
-  void* data = const_cast<void*>(executor_storage.data());
-  auto* ctx = new AdoptedBlock{executor_storage, &m, nbytes};
-  return {data, ctx, &adopted_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+  auto* block = new AdoptedBlock{executor_storage, &m, nbytes};
+  {
+    AdoptedRegistry& r = adopted_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.blocks.emplace(data, block);
+  }
+  return {data, data, &adopted_delete, superchip_device};
 }
 
 Tier storage_tier(const c10::StorageImpl& storage) {
-  const c10::DataPtr& dp = storage.data_ptr();
-  if (dp.get_deleter() == &block_delete) {
-    if (MemoryManager* m = owner_of(dp.get())) return m->tier_of(dp.get()).value_or(Tier::kHbm);
-  }
+  // By address, not by deleter: a copy-on-write DataPtr wraps a block's deleter.
+  const void* data = storage.data_ptr().get();
+  if (MemoryManager* m = owner_of(data)) return m->tier_of(data).value_or(Tier::kHbm);
   return Tier::kHbm;  // adopted memory and empty storages
 }
 
@@ -164,6 +198,10 @@ c10::DataPtr SuperchipAllocator::allocate(size_t nbytes) {
 }
 
 c10::DeleterFnPtr SuperchipAllocator::raw_deleter() const { return &block_delete; }
+
+bool SuperchipAllocator::is_simple_data_ptr(const c10::DataPtr& data_ptr) const {
+  return data_ptr.get_deleter() == &block_delete || data_ptr.get_deleter() == &adopted_delete;
+}
 
 void SuperchipAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
   memory(current_device()).copy(dest, src, count);

@@ -1,8 +1,9 @@
 // SuperchipAllocator: the c10::DeviceAllocator of the superchip device. Every superchip
 // storage's DataPtr is one of two kinds, and its tier follows from the kind:
 //   block   - memory from the device's MemoryManager (context == data); tier from the manager;
-//   adopted - an output a forwarded executor kernel allocated itself; the context keeps the
-//             executor's storage alive and its bytes are accounted as external in `hbm`.
+//   adopted - an output a forwarded executor kernel allocated itself (context == data); a
+//             registry by address keeps the executor's storage alive and its bytes are
+//             accounted as external in `hbm`.
 // Deleters are noexcept and never take the GIL. Thread-safe.
 #pragma once
 
@@ -18,6 +19,9 @@ class SuperchipAllocator final : public c10::DeviceAllocator {
   // New storage memory goes to the `hbm` tier of the current device.
   c10::DataPtr allocate(size_t nbytes) override;
   c10::DeleterFnPtr raw_deleter() const override;
+  // Both kinds of DataPtr own their bytes alone (no blind aliases), so torch._lazy_clone may
+  // share them copy-on-write, as it shares CPU memory.
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override;
   void copy_data(void* dest, const void* src, std::size_t count) const override;
 
   bool initialized() override { return true; }
@@ -42,7 +46,8 @@ c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device)
 // `hbm`. Raises torch.OutOfMemoryError when the budget cannot hold it.
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device);
 
-// Tier of a superchip storage (an empty storage reports hbm, where it would allocate).
+// Tier of a superchip storage (an empty storage reports hbm, where it would allocate). A
+// copy-on-write storage (torch._lazy_clone) reports the tier of the bytes it shares.
 Tier storage_tier(const c10::StorageImpl& storage);
 
 // Replaces the bytes of `storage` in place by a copy in `tier` (no-op when already there).

@@ -8,8 +8,14 @@ both runs identically (superchip's generator reproduces the CPU stream); ops who
 uninitialised memory are compared on shape/dtype/device only (``SHAPE_ONLY``).
 
 Outcomes per op: ``pass`` (every sample matched), ``fail`` (a sample raised on superchip or
-differed), ``skip`` (listed in ``SKIPS``; counts as not passing), ``n/a`` (the CPU reference
-itself raised or the op has no sample at a supported dtype; not the backend's fault).
+differed), ``skip`` (listed in ``SKIPS``, or skipped by PyTorch on cpu; counts as not
+passing), ``xfail`` (PyTorch expects the op to fail on cpu and it failed here too; not
+passing), ``xpass`` (expected to fail on cpu, matched CPU here: counted as a pass and listed),
+``n/a`` (the CPU reference itself raised or the op has no sample at a supported dtype; not
+the backend's fault). The cpu skips and expected failures are PyTorch's own OpInfo
+decorations for device_type 'cpu' that apply to ``TestCommon.test_compare_cpu`` (the check
+this sweep makes), carried over by ``cpu_overrides.sweep_mark``: the CPU executor runs the
+CPU kernels, so their known failures are superchip's too.
 ``test_opinfo_sweep_summary`` prints the counts and the failures by name and asserts that at
 least ``MIN_PASS_FRACTION`` of all op_db entries (n/a and skips included in the denominator
 as not passing) pass.
@@ -28,6 +34,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 import superchip  # noqa: F401
 
+from cpu_overrides import sweep_mark
 from helpers import DEVICE
 from tolerances import SWEEP_TOLERANCES, tol
 
@@ -146,6 +153,19 @@ def check_op(op) -> tuple[str, str]:
     dtype = _sweep_dtype(op)
     if dtype is None:
         return "n/a", "no supported dtype on CPU"
+    mark = sweep_mark(op, dtype)
+    if mark is not None and mark[0] == "skip":
+        return mark
+    outcome, detail = _check_samples(op, name, dtype)
+    if mark is not None and mark[0] == "xfail":
+        if outcome == "fail":
+            return "xfail", f"{mark[1]}; {detail}"
+        if outcome == "pass":
+            return "xpass", f"{mark[1]}, but it matched CPU ({detail})"
+    return outcome, detail
+
+
+def _check_samples(op, name: str, dtype) -> tuple[str, str]:
     try:
         samples = list(op.sample_inputs("cpu", dtype, requires_grad=False))[:MAX_SAMPLES]
     except Exception as exc:  # noqa: BLE001  (op_db's own sample generator)
@@ -217,20 +237,68 @@ def run_sweep(tmp_path) -> dict[str, tuple[str, str]]:
     return results
 
 
+def test_cpu_decorations_carry_over():
+    """PyTorch's cpu skips and expected failures apply to superchip: in the sweep, and as
+    ``PrivateUse1TestBase.op_overrides`` for PyTorch's own device-generic tests."""
+    import copy
+    import types
+    import unittest
+
+    from torch.testing._internal.common_device_type import PrivateUse1TestBase
+    from torch.testing._internal.opinfo.core import DecorateInfo
+
+    from cpu_overrides import cpu_op_overrides
+
+    by_name = {op.full_name: op for op in op_db}
+    # grid_sampler_3d is skipped on cpu by every test: the sweep skips it too.
+    mark = sweep_mark(by_name["grid_sampler_3d"], torch.float32)
+    assert mark is not None and mark[0] == "skip", mark
+    # An expected failure on cpu is an expected failure here; one on cuda is not.
+    op = copy.deepcopy(by_name["abs"])
+    assert sweep_mark(op, torch.float32) is None
+    op.decorators = (*op.decorators, DecorateInfo(unittest.expectedFailure, "TestCommon",
+                                                  "test_compare_cpu", device_type="cuda"))
+    assert sweep_mark(op, torch.float32) is None
+    op.decorators = (*op.decorators, DecorateInfo(unittest.expectedFailure, "TestCommon",
+                                                  "test_compare_cpu", device_type="cpu",
+                                                  dtypes=(torch.float32,)))
+    assert sweep_mark(op, torch.float64) is None
+    assert sweep_mark(op, torch.float32)[0] == "xfail"
+    outcome, detail = check_op(op)  # abs matches CPU: reported, not silent
+    assert outcome == "xpass", (outcome, detail)
+    # op_overrides: avg_pool3d's cpu expected failure of TestCommon.test_out reaches superchip.
+    overrides = cpu_op_overrides()
+    assert "nn.functional.avg_pool3d" in overrides
+    assert all(i.device_type == "privateuse1" for infos in overrides.values() for i in infos)
+
+    class SuperchipTests(PrivateUse1TestBase):
+        op_overrides = {"nn.functional.avg_pool3d": overrides["nn.functional.avg_pool3d"]}
+
+    SuperchipTests.device_type = "privateuse1"
+    ops = types.SimpleNamespace(op_list=[by_name["nn.functional.avg_pool3d"]])
+    SuperchipTests._apply_op_overrides(ops)
+    active = [dec for info in ops.op_list[0].decorators if isinstance(info, DecorateInfo)
+              and info.is_active("TestCommon", "test_out", "superchip", torch.float32, {})
+              for dec in info.decorators]
+    assert unittest.expectedFailure in active
+
+
 def test_opinfo_sweep_summary(tmp_path):
     results = run_sweep(tmp_path)
     total = len(op_db)
-    by_outcome: dict[str, list[str]] = {"pass": [], "fail": [], "skip": [], "n/a": []}
+    by_outcome: dict[str, list[str]] = {o: [] for o in ("pass", "xpass", "fail", "xfail",
+                                                         "skip", "n/a")}
     for name, (outcome, _) in results.items():
         by_outcome[outcome].append(name)
-    passed = len(by_outcome["pass"])
+    passed = len(by_outcome["pass"]) + len(by_outcome["xpass"])
     fraction = passed / total
     applicable = total - len(by_outcome["n/a"])
-    print(f"\nOpInfo sweep: {passed} / {total} op_db ops pass ({fraction:.3f}); "
-          f"{len(by_outcome['fail'])} fail, {len(by_outcome['skip'])} skipped, "
-          f"{len(by_outcome['n/a'])} not applicable; "
+    print(f"\nOpInfo sweep: {passed} / {total} op_db ops pass ({fraction:.3f}; "
+          f"{len(by_outcome['xpass'])} of them expected to fail on cpu); "
+          f"{len(by_outcome['fail'])} fail, {len(by_outcome['xfail'])} fail as expected on cpu, "
+          f"{len(by_outcome['skip'])} skipped, {len(by_outcome['n/a'])} not applicable; "
           f"pass fraction of applicable ops {passed / max(applicable, 1):.3f}")
-    for outcome in ("fail", "skip", "n/a"):
+    for outcome in ("fail", "xfail", "xpass", "skip", "n/a"):
         for name in sorted(by_outcome[outcome]):
             print(f"  {outcome:4s} {name}: {results[name][1]}")
     assert fraction >= MIN_PASS_FRACTION, (

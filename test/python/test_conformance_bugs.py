@@ -1,0 +1,283 @@
+"""Regressions found by running PyTorch's own device-generic tests on superchip (issue 9).
+
+Each test failed before its fix: zero tensors (crash), out= tensors overlapping an input
+(silent wrong result), in-place ops over one storage, the fused RNN cells, SDPA with a mask
+that requires grad, conj_physical_ on a conjugate view, ldexp_ broadcasting into self,
+mode(out=), and copy-on-write storages (torch._lazy_clone).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import superchip
+
+from helpers import DEVICE, assert_close_cpu, run_python, to_device
+
+OVERLAP = "refer to a single memory location"
+
+
+# ---- zero tensors (torch._efficientzerotensor) ----
+
+def _run_ok(code: str):
+    proc = run_python(textwrap.dedent(code))
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def test_efficientzerotensor_reads_as_zeros():
+    out = _run_ok("""
+        import torch, superchip
+        z = torch._efficientzerotensor((2, 3), device="superchip")
+        assert z._is_zerotensor() and z.device.type == "superchip"
+        assert torch.equal(z.cpu(), torch.zeros(2, 3))
+        print(z)                                   # repr reads the values
+        for view in (z.t(), z[1], z.unfold(1, 2, 1), z.view(3, 2), z.expand(4, 2, 3)):
+            assert view._is_zerotensor(), view
+            assert torch.equal(view.cpu(), torch.zeros(view.shape))
+        assert torch.equal((z + 1).cpu(), torch.ones(2, 3))
+        assert torch.equal(z.clone().cpu(), torch.zeros(2, 3)) and not z.clone()._is_zerotensor()
+        assert z.sum().item() == 0.0
+        zi = torch._efficientzerotensor((4,), dtype=torch.int64, device="superchip")
+        assert zi.dtype == torch.int64 and zi.cpu().tolist() == [0, 0, 0, 0]
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_zero_tensor_owns_no_memory():
+    out = _run_ok("""
+        import torch, superchip
+        before = superchip.memory_stats()
+        z = torch._efficientzerotensor((1024, 1024), device="superchip")
+        after = superchip.memory_stats()
+        for key in ("hbm.allocated_bytes", "hbm.external_bytes", "hbm.active_allocations"):
+            assert after[key] == before[key], (key, before[key], after[key])
+        del z
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_sgn_backward_zero_grad_is_readable():
+    out = _run_ok("""
+        import torch, superchip
+        x = torch.randn(5, device="superchip", requires_grad=True)
+        torch.sgn(x).sum().backward()
+        print(x.grad)
+        assert torch.equal(x.grad.cpu(), torch.zeros(5))
+        y = torch.randn(3, 4, device="superchip", requires_grad=True)
+        (torch.sgn(y) * 2 + y).sum().backward()
+        assert torch.equal(y.grad.cpu(), torch.ones(3, 4))
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+# ---- out= overlapping an input: detected as on CPU ----
+
+def _overlap_cases(device):
+    """(name, callable) pairs whose out= overlaps an input; each raises on CPU."""
+    a = torch.arange(10.0, device=device)
+    idx = torch.tensor([0, 1, 2], device=device)
+    li = torch.zeros(2, dtype=torch.long, device=device)
+    return [
+        ("gather", lambda: torch.gather(a, 0, idx, out=a[:3])),
+        ("cat", lambda: torch.cat([a[:3], a[3:6]], out=a[2:8])),
+        ("take", lambda: torch.take(a, idx, out=a[1:4])),
+        ("masked_select", lambda: torch.masked_select(a[:6], a[:6] > 3, out=a[:6])),
+        ("kthvalue", lambda: torch.kthvalue(a.view(2, 5), 2, 1, out=(a[:2], li))),
+        ("add", lambda: torch.add(a[:5], 1, out=a[1:6])),
+    ]
+
+
+@pytest.mark.parametrize("name", ["gather", "cat", "take", "masked_select", "kthvalue", "add"])
+def test_out_overlapping_input_raises_like_cpu(name):
+    cpu_case = dict(_overlap_cases("cpu"))[name]
+    with pytest.raises(RuntimeError, match=OVERLAP):
+        cpu_case()
+    case = dict(_overlap_cases(DEVICE))[name]
+    with pytest.raises(RuntimeError, match=OVERLAP):
+        case()
+
+
+def test_in_place_and_views_of_one_storage_still_work():
+    base = torch.randn(12)
+    x = base.to(DEVICE)
+    y = x.clone()
+    y.add_(y)                                    # in-place, the operand is self
+    assert_close_cpu(y, base * 2)
+    z = x.clone()
+    torch.add(z, z, out=z)                       # out= is the very input
+    assert_close_cpu(z, base * 2)
+    w = x.clone().view(3, 4)
+    w[0].mul_(w[1])                              # views of one storage, in and out disjoint
+    ref = base.clone().view(3, 4)
+    ref[0].mul_(ref[1])
+    assert_close_cpu(w, ref)
+    v = x.clone()
+    torch.mul(v[:6], v[6:], out=v[6:])           # out= fully equal to an input: allowed
+    ref = base.clone()
+    torch.mul(ref[:6], ref[6:], out=ref[6:])
+    assert_close_cpu(v, ref)
+
+
+def test_ldexp_inplace_does_not_resize_self():
+    for device in ("cpu", DEVICE):
+        a = torch.ones(3, device=device)
+        b = torch.ones(2, 3, dtype=torch.int64, device=device)
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            a.ldexp_(b)
+        assert a.shape == (3,)
+
+
+def test_out_resize_is_adopted(clean_memory):
+    a = torch.randn(4, 5)
+    out = torch.empty(0, device=DEVICE)
+    torch.add(a.to(DEVICE), 1, out=out)
+    assert_close_cpu(out, a + 1)
+    sel = torch.empty(0, device=DEVICE)
+    torch.masked_select(a.to(DEVICE), a.to(DEVICE) > 0, out=sel)
+    assert_close_cpu(sel, torch.masked_select(a, a > 0))
+    # a resized out= that is also read (same storage as an input) keeps CPU's result
+    x = torch.arange(4.0)
+    xs = x.to(DEVICE)
+    torch.cat([xs, xs], out=torch.empty(0, device=DEVICE))
+    assert_close_cpu(xs, x)
+
+
+# ---- RNNs (fused cells) ----
+
+@pytest.mark.parametrize("cls", [torch.nn.GRU, torch.nn.LSTM, torch.nn.GRUCell,
+                                 torch.nn.LSTMCell])
+@pytest.mark.parametrize("bias", [True, False])
+def test_rnn_forward_backward_like_cpu(cls, bias):
+    torch.manual_seed(0)
+    cell = cls.__name__.endswith("Cell")
+    kwargs = {} if cell else {"num_layers": 2, "batch_first": True}
+    ref = cls(4, 6, bias=bias, **kwargs)
+    mod = cls(4, 6, bias=bias, **kwargs).to(DEVICE)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4) if cell else torch.randn(3, 5, 4)
+    xr = x.clone().requires_grad_()
+    xs = x.to(DEVICE).requires_grad_()
+    out_r, out_s = ref(xr), mod(xs)
+    flat_r = out_r if isinstance(out_r, tuple) else (out_r,)
+    flat_s = out_s if isinstance(out_s, tuple) else (out_s,)
+    loss_r = sum(t.sum() if isinstance(t, torch.Tensor) else sum(u.sum() for u in t) for t in flat_r)
+    loss_s = sum(t.sum() if isinstance(t, torch.Tensor) else sum(u.sum() for u in t) for t in flat_s)
+    loss_r.backward()
+    loss_s.backward()
+    kw = {"rtol": 1e-5, "atol": 1e-5}  # fused cell vs CPU cell: same math, other op order
+    assert_close_cpu(to_device(flat_s[0], DEVICE), flat_r[0], **kw)
+    assert_close_cpu(xs.grad, xr.grad, **kw)
+    for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+        assert_close_cpu(q.grad, p.grad, **kw)
+
+
+def test_fused_cells_match_cuda_layout():
+    torch.manual_seed(0)
+    n, h = 3, 5
+    ig, hg = torch.randn(n, 4 * h, device=DEVICE), torch.randn(n, 4 * h, device=DEVICE)
+    cx = torch.randn(n, h, device=DEVICE)
+    hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(ig, hg, cx)
+    assert hy.shape == cy.shape == (n, h) and ws.shape == (n, 4 * h)
+    gates = (ig + hg).cpu().chunk(4, 1)
+    c_ref = gates[1].sigmoid() * cx.cpu() + gates[0].sigmoid() * gates[2].tanh()
+    assert_close_cpu(cy, c_ref)
+    assert_close_cpu(hy, gates[3].sigmoid() * c_ref.tanh())
+    ig3, hg3 = torch.randn(n, 3 * h, device=DEVICE), torch.randn(n, 3 * h, device=DEVICE)
+    hy, ws = torch.ops.aten._thnn_fused_gru_cell(ig3, hg3, cx)
+    assert hy.shape == (n, h) and ws.shape == (n, 5 * h)
+    with pytest.raises(RuntimeError, match="_thnn_fused_gru_cell: the state must be"):
+        torch.ops.aten._thnn_fused_gru_cell(ig3, hg3, torch.randn(n, h + 1, device=DEVICE))
+
+
+# ---- scaled_dot_product_attention with a mask that requires grad ----
+
+def test_sdpa_float_mask_requires_grad_like_cpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.randn(2, 3, 5, 5)
+
+    def run(device):
+        ts = [t.clone().to(device).requires_grad_() for t in (q, k, v, mask)]
+        out = F.scaled_dot_product_attention(*ts[:3], attn_mask=ts[3])
+        out.sum().backward()
+        return out, [t.grad for t in ts]
+
+    out_c, grads_c = run("cpu")
+    out_s, grads_s = run(DEVICE)
+    assert_close_cpu(out_s, out_c.detach())
+    for gs, gc in zip(grads_s, grads_c):
+        assert_close_cpu(gs, gc)
+
+
+# ---- conj_physical_, mode(out=) ----
+
+def test_conj_physical_inplace_on_conjugate_view():
+    for make in (lambda t: t.conj(), lambda t: t):
+        base = torch.tensor([1 + 2j, 3 - 1j, -2j])
+        ref = make(base.clone())
+        ref.conj_physical_()
+        x = make(base.to(DEVICE))
+        x.conj_physical_()
+        assert x.is_conj() == ref.is_conj()
+        assert_close_cpu(x.resolve_conj(), ref.resolve_conj())
+
+
+def test_mode_out():
+    x = torch.tensor([[1.0, 2, 2], [3, 3, 1]])
+    ref = torch.mode(x, 1)
+    values = torch.empty(0, device=DEVICE)
+    indices = torch.empty(0, dtype=torch.long, device=DEVICE)
+    torch.mode(x.to(DEVICE), 1, out=(values, indices))
+    assert_close_cpu(values, ref.values)
+    assert_close_cpu(indices, ref.indices)
+
+
+# ---- copy-on-write (torch._lazy_clone) ----
+
+def test_lazy_clone_reads_do_not_materialize():
+    a = torch.arange(6.0, device=DEVICE)
+    b = torch._lazy_clone(a)
+    assert torch._C._is_cow_tensor(a) and torch._C._is_cow_tensor(b)
+    c = a + b                                    # reads both
+    assert a.sum().item() == 15.0                # reads through _local_scalar_dense
+    assert torch._C._is_cow_tensor(a) and torch._C._is_cow_tensor(b)
+    assert_close_cpu(c, torch.arange(6.0) * 2)
+    b.mul_(2)                                    # a write materializes only b
+    assert not torch._C._is_cow_tensor(b)
+    assert_close_cpu(a, torch.arange(6.0))
+    assert_close_cpu(b, torch.arange(6.0) * 2)
+    a.add_(1)                                    # the last reference: written in place
+    assert_close_cpu(a, torch.arange(6.0) + 1)
+
+
+def test_lazy_clone_of_forwarded_output(clean_memory):
+    before = superchip.memory_stats()["hbm.external_bytes"]
+    c = torch.arange(6.0, device=DEVICE) * 3     # adopted executor output
+    d = torch._lazy_clone(c)
+    c.add_(1)
+    assert_close_cpu(c, torch.arange(6.0) * 3 + 1)
+    assert_close_cpu(d, torch.arange(6.0) * 3)
+    e = torch._lazy_clone(d)
+    del d
+    e.sub_(1)                                    # steals the bytes: last reference
+    assert_close_cpu(e, torch.arange(6.0) * 3 - 1)
+    assert superchip.tier_of(e) == "hbm"
+    del c, e
+    assert superchip.memory_stats()["hbm.external_bytes"] == before
+
+
+def test_lazy_clone_keeps_host_tier():
+    x = torch.randn(64, device=DEVICE)
+    superchip.move_to_tier(x, "host")
+    y = torch._lazy_clone(x)
+    assert superchip.tier_of(x) == "host" and superchip.tier_of(y) == "host"
+    assert_close_cpu(y, x.cpu())
