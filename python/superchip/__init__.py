@@ -43,6 +43,9 @@ import time as _time  # noqa: E402
 
 _atexit.register(_time.sleep, 0.02)
 from . import optim  # noqa: E402,F401
+from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
+
+_inductor.register_if_inductor_loaded()
 
 __all__ = [
     "memory_stats",

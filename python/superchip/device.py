@@ -142,3 +142,20 @@ def memory_reserved(device=None) -> int:
 
 def empty_cache() -> None:
     _C._empty_cache()
+
+
+# Inductor's backend for a PrivateUse1 device is found through these names of the device module
+# (torch._inductor.codegen.common.init_backend_registration asks for all four). Resolving them
+# registers superchip's compile support (superchip._inductor) on first use, so that importing
+# superchip does not import torch._dynamo / torch._inductor.
+_INDUCTOR_HOOKS = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+
+
+def __getattr__(name: str):
+    if name in _INDUCTOR_HOOKS:
+        from . import _inductor
+        from ._inductor import codegen
+
+        _inductor.register()
+        return getattr(codegen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
