@@ -260,5 +260,6 @@ def test_cpp_wrapper_is_rejected_clearly():
     import torch._inductor.config as inductor_config
 
     x = torch.randn(4).to("superchip")
-    with inductor_config.patch(cpp_wrapper=True), pytest.raises(Exception, match="not supported on the superchip device"):
+    with (inductor_config.patch(cpp_wrapper=True),
+          pytest.raises(Exception, match="not supported on the superchip device")):
         torch.compile(lambda t: t.cos() * 2, fullgraph=True)(x)
