@@ -23,9 +23,16 @@ All three answer about the code generator, so for superchip they should answer a
 ``get_current_backend`` is imported by name into three modules besides its own, hence four
 rebinds.
 
-Other ``device.type == "cpu"`` checks in Inductor are heuristics (tiny-matmul decompositions,
-realisation thresholds, the C++ GEMM template of max-autotune, division by a constant kept as a
-division): superchip takes the non-CPU side of those, which is correct code, and is left as is.
+Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
+non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
+``config.cpp.use_two_step_variance_threshold`` elements (LayerNorm statistics) use Welford
+instead of sum-then-divide, a division by a constant becomes a multiplication by its
+reciprocal (CPU keeps the division, pytorch#157959), realisation thresholds and tiny-matmul
+decompositions follow the GPU defaults, and max-autotune has no C++ GEMM template (ATen's mm
+only). For the example GPT at the demo's size the generated code has the CPU's kernels,
+extern calls and allocations; the LayerNorm kernels differ as above, so results may differ
+from compiled CPU in the last bits. Matching those too would take copies of Inductor's
+lowering logic, so they are left as they are.
 
 Tested on torch 2.13; the checked range is the one superchip supports (2.11 to 2.13). Outside
 it, or when a patched name is missing, ``apply()`` raises instead of guessing.
