@@ -90,6 +90,9 @@ def test_import_does_not_load_dynamo_and_compile_registers():
         "assert get_interface_for_device('superchip') is SuperchipInterface\n"
         "assert get_scheduling_for_device('superchip') is not None\n"
         "assert 'superchip' in get_device_op_overrides('superchip').device_guard(0)\n"
+        "from torch._inductor.codegen.common import get_custom_backend_config_for_device\n"
+        "import superchip._inductor.config as cfg\n"
+        "assert get_custom_backend_config_for_device('superchip') is cfg  # in the cache key\n"
         "print('ok')\n", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
@@ -105,6 +108,22 @@ def test_registers_when_inductor_was_set_up_first():
         "x = torch.randn(4).to('superchip')\n"
         "torch.testing.assert_close(torch.compile(lambda x: x * 3)(x).cpu(), x.cpu() * 3)\n"
         "print('ok')\n", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_graph_on_second_device_stays_there():
+    """Buffers of a graph on superchip:1 are allocated on superchip:1 (Inductor emits no device
+    guard for a non-GPU type, so the wrapper names the device)."""
+    r = run_python(
+        "import torch, superchip, torch.nn.functional as F\n"
+        "x, w = torch.randn(8, 16), torch.randn(16, 16)\n"
+        "f = torch.compile(lambda x, w: F.gelu(x @ w).sum(-1) / 3, fullgraph=True)\n"
+        "before = superchip.memory_stats(1)['hbm.num_allocs']\n"
+        "out = f(x.to('superchip:1'), w.to('superchip:1'))\n"
+        "assert out.device == torch.device('superchip:1'), out.device\n"
+        "assert superchip.memory_stats(1)['hbm.num_allocs'] > before + 2\n"
+        "torch.testing.assert_close(out.cpu(), F.gelu(x @ w).sum(-1) / 3)\n"
+        "print('ok')\n", env={"SUPERCHIP_DEVICE_COUNT": "2"}, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -5,9 +5,10 @@ Contract
 - ``torch.compile(model)`` (Inductor, every mode that works on the executor's own device, and
   ``fullgraph=True``) compiles graphs whose tensors are on ``superchip``. Nothing to call:
   registration happens the first time Inductor sets up its backends (torch asks the device
-  module ``torch.superchip`` for ``Scheduling``, ``PythonWrapperCodegen``, ``CppWrapperCodegen``
-  and ``WrapperFxCodegen``; see ``superchip.device.__getattr__``), or at ``import superchip``
-  when Inductor was already set up. Importing superchip never imports ``torch._dynamo``.
+  module ``torch.superchip`` for ``Scheduling``; see ``superchip.device.__getattr__``), or at
+  ``import superchip`` when Dynamo or Inductor was already imported. Importing superchip never
+  imports ``torch._dynamo``.
+- Inductor's FX graph cache is keyed on superchip's code generator too (``config.py``).
 - Generated code is the executor's: with the CPU executor, Inductor's C++/OpenMP kernels
   (``CppScheduling``) read and write superchip memory directly through ``data_ptr()`` (host
   memory); with the CUDA executor, Triton kernels do the same on CUDA memory (untested: no GPU
@@ -48,7 +49,7 @@ def register() -> None:
             register_device_op_overrides,
         )
 
-        from . import codegen, patches
+        from . import codegen, config, patches
         from .device_interface import SuperchipInterface
 
         register_interface_for_device("superchip", SuperchipInterface)
@@ -59,6 +60,7 @@ def register() -> None:
             codegen.PythonWrapperCodegen,
             codegen.CppWrapperCodegen,
             codegen.WrapperFxCodegen,
+            device_custom_config=config,
         )
         patches.apply()
         _registered = True

@@ -5,8 +5,9 @@ which is fixed for the process): ``CppScheduling`` (C++/OpenMP) on the CPU execu
 ``CUDACombinedScheduling`` (Triton) on the CUDA executor. The wrapper is Inductor's Python
 wrapper with two differences: it calls C++ kernels on superchip buffers the way it calls them
 on CPU buffers (a plain function call with the tensors, whose ``data_ptr()`` the binding
-reads), and it allocates buffers with ``empty_strided(..., device="superchip")``, i.e. through
-superchip's allocator (Inductor's generic path for a device without a fast allocator).
+reads), and it allocates buffers with ``empty_strided(..., device="superchip:i")``, i.e.
+through superchip's allocator (Inductor's generic path for a device without a fast
+allocator), naming the buffer's device.
 Device guards and synchronisation in the wrapper are ``torch.superchip``'s.
 """
 
@@ -77,14 +78,26 @@ def device_op_overrides() -> DeviceOpOverrides:
 
 # ---- the Python wrapper -----------------------------------------------------------------------
 
-class _ExecutorKernelCalls:
-    """C++ kernel calls on superchip buffers are written as on CPU buffers.
+class _SuperchipWrapper:
+    """What the Python wrapper writes differently for superchip buffers.
 
-    PythonWrapperCodegen writes a C++ kernel call only for ``device.type == "cpu"`` (or mps) and
-    raises "device superchip nyi" otherwise; the call itself (the kernel's Python binding with the
-    tensors as arguments) is the same, since the binding reads ``data_ptr()``, which is host
-    memory on the CPU executor.
+    - C++ kernel calls are written as on CPU buffers. PythonWrapperCodegen writes a C++ kernel
+      call only for ``device.type == "cpu"`` (or mps) and raises "device superchip nyi"
+      otherwise; the call itself (the kernel's Python binding with the tensors as arguments) is
+      the same, since the binding reads ``data_ptr()``, which is host memory on the CPU executor.
+    - Allocations name the device index. Inductor's generic allocation writes
+      ``device='superchip'`` (the current device) and relies on a device guard around the
+      kernels of another device, which the scheduler emits for GPU types only; a graph on
+      superchip:1 would otherwise allocate its buffers on superchip:0.
     """
+
+    def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,
+                        is_pinned=False):
+        line = super().make_allocation(name, device, dtype, shape, stride, allocation_shape,
+                                       is_pinned)
+        if device.type == "superchip" and device.index is not None:
+            line = line.replace("device='superchip'", f"device='superchip:{device.index}'", 1)
+        return line
 
     def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None, triton=True,
                                      **kwargs):
@@ -97,11 +110,11 @@ class _ExecutorKernelCalls:
                                              triton=triton, **kwargs)
 
 
-class SubgraphPythonWrapperCodegen(_ExecutorKernelCalls, _SubgraphPythonWrapperCodegen):
+class SubgraphPythonWrapperCodegen(_SuperchipWrapper, _SubgraphPythonWrapperCodegen):
     pass
 
 
-class PythonWrapperCodegen(_ExecutorKernelCalls, _PythonWrapperCodegen):
+class PythonWrapperCodegen(_SuperchipWrapper, _PythonWrapperCodegen):
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
         if is_subgraph:
