@@ -15,7 +15,7 @@ Contract
   in CI). Ops Inductor does not generate (matmuls, attention, fallbacks) are called on
   superchip tensors and go through superchip's own dispatch, as in eager mode.
 - Every buffer the compiled graph allocates is a superchip tensor allocated by superchip's
-  allocator (``empty_strided(..., device="superchip")``), so ``superchip.memory_stats()`` counts
+  allocator (``empty_strided(..., device="superchip:i")``), so ``superchip.memory_stats()`` counts
   compiled graphs exactly as eager ones.
 - Not supported: ``cpp_wrapper=True`` / AOTInductor (an error says so), CUDA graphs
   (``mode="reduce-overhead"``/``"max-autotune"`` with the CUDA executor are untested).
@@ -67,7 +67,8 @@ def register() -> None:
 
 
 def register_if_inductor_loaded() -> None:
-    """Registers now when Inductor has already set up its backends (it would not ask again)."""
+    """Registers now when Dynamo or Inductor is already imported: Inductor may have set up its
+    backends already (it asks the device module only once)."""
     import sys
 
     if "torch._inductor.codegen.common" in sys.modules or "torch._dynamo" in sys.modules:
