@@ -45,6 +45,7 @@ _atexit.register(_time.sleep, 0.02)
 # Queued optimizer steps finish before the interpreter (and the optimizer's thread pool) go.
 _atexit.register(_C._engine_synchronize)
 from . import optim  # noqa: E402,F401
+from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 
 __all__ = [
     "memory_stats",
@@ -106,3 +107,7 @@ def set_capacity(tier: str, nbytes: int, device=None) -> None:
     if tier not in _TIERS:
         raise ValueError(f"tier must be 'hbm' or 'host', got {tier!r}")
     _C._set_capacity(_index(device), tier, int(nbytes))
+
+
+# Last: registration reads the functions above (executor()).
+_inductor.register_if_inductor_loaded()

@@ -144,3 +144,20 @@ def memory_reserved(device=None) -> int:
 
 def empty_cache() -> None:
     _C._empty_cache()
+
+
+# Inductor's backend for a PrivateUse1 device is found through the device module:
+# torch._inductor.codegen.common.init_backend_registration asks it for "Scheduling" (then for
+# "PythonWrapperCodegen", "CppWrapperCodegen" and "WrapperFxCodegen", and registers them when all
+# four exist). Resolving "Scheduling" registers superchip's compile support (superchip._inductor)
+# on first use, so importing superchip does not import torch._dynamo / torch._inductor. The
+# other three names are deliberately absent: superchip's own registration passes its codegen
+# config (the FX graph cache key), which torch's registration from the module would drop.
+def __getattr__(name: str):
+    if name == "Scheduling":
+        from . import _inductor
+        from ._inductor import codegen
+
+        _inductor.register()
+        return codegen.Scheduling
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,284 @@
+"""torch.compile on superchip (superchip/_inductor): the default Inductor backend compiles
+training graphs whose tensors live on superchip, and they train as eager superchip does.
+
+Compilation dominates this file's time on a small machine, so the models are tiny, the
+training runs are a few steps, and compiled artifacts are shared: Dynamo reuses a compiled
+graph for every instance of the same module class with the same shapes, so the eager/compiled
+pairs for both optimizers cost one compile per model. ``fullgraph=True`` is used throughout, so
+every test also asserts that the model compiles without a graph break.
+
+Reference: eager superchip with the same initial weights and batches. Compiled and eager
+kernels round differently (fused reductions, reordered arithmetic), so losses compare at 1e-5
+relative, not bit for bit. Weights are not compared element by element: Adam turns rounding
+noise in a gradient that is zero in exact arithmetic (the attention key bias: softmax ignores
+it) into a full lr-sized step, so such a weight legitimately differs by ~lr between two
+correct runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import superchip
+
+from helpers import run_python
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from model import GPT, GPTConfig  # noqa: E402
+
+STEPS = 3
+RTOL = 1e-5
+OPTIMIZERS = {
+    "torch.optim.AdamW": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+    "superchip.optim.AdamW": lambda params: superchip.optim.AdamW(params, lr=3e-3,
+                                                                  weight_decay=0.1),
+}
+
+
+def batches(vocab: int, n: int, batch: int = 2, seq: int = 16):
+    """One batch ``n`` times: the loss then falls every step, so the runs are not vacuous."""
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=gen)] * n
+
+
+def train(model, optimizer: str, data, compiled: bool, loss_fn):
+    """Trains ``model`` (already on superchip) in place; returns the losses (on CPU)."""
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    fn = torch.compile(model, fullgraph=True) if compiled else model
+    losses = []
+    for seq in data:
+        seq = seq.to("superchip")
+        loss = loss_fn(fn, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().cpu())
+    return torch.stack(losses)
+
+
+def assert_trains_like_eager(make_model, optimizer: str, vocab: int, loss_fn):
+    torch.manual_seed(0)
+    model = make_model()
+    data = batches(vocab, STEPS)
+    eager = train(copy.deepcopy(model).to("superchip"), optimizer, data, False, loss_fn)
+    compiled = train(copy.deepcopy(model).to("superchip"), optimizer, data, True, loss_fn)
+    torch.testing.assert_close(compiled, eager, rtol=RTOL, atol=0)
+    assert eager[-1] < eager[0], "the model did not learn; the comparison is vacuous"
+
+
+# ---- registration ---------------------------------------------------------------------------
+
+def test_import_does_not_load_dynamo_and_compile_registers():
+    r = run_python(
+        "import sys, torch, superchip\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import superchip loaded torch._dynamo'\n"
+        "f = torch.compile(lambda x: x.sin() + 1, fullgraph=True)\n"
+        "x = torch.randn(8).to('superchip')\n"
+        "torch.testing.assert_close(f(x).cpu(), x.cpu().sin() + 1)\n"
+        "from torch._dynamo.device_interface import get_interface_for_device\n"
+        "from torch._inductor.codegen.common import get_scheduling_for_device, "
+        "get_device_op_overrides\n"
+        "from superchip._inductor.device_interface import SuperchipInterface\n"
+        "assert get_interface_for_device('superchip') is SuperchipInterface\n"
+        "assert get_scheduling_for_device('superchip') is not None\n"
+        "assert 'superchip' in get_device_op_overrides('superchip').device_guard(0)\n"
+        "from torch._inductor.codegen.common import get_custom_backend_config_for_device\n"
+        "import superchip._inductor.config as cfg\n"
+        "assert get_custom_backend_config_for_device('superchip') is cfg  # in the cache key\n"
+        "print('ok')\n", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")
+
+
+def test_registers_when_inductor_was_set_up_first():
+    """Inductor asks the device module for its backend once; superchip imported after a CPU
+    compile registers at import instead."""
+    r = run_python(
+        "import torch\n"
+        "torch.compile(lambda x: x * 2)(torch.randn(4))\n"
+        "import superchip\n"
+        "x = torch.randn(4).to('superchip')\n"
+        "torch.testing.assert_close(torch.compile(lambda x: x * 3)(x).cpu(), x.cpu() * 3)\n"
+        "print('ok')\n", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_graph_on_second_device_stays_there():
+    """Buffers of a graph on superchip:1 are allocated on superchip:1 (Inductor emits no device
+    guard for a non-GPU type, so the wrapper names the device)."""
+    r = run_python(
+        "import torch, superchip, torch.nn.functional as F\n"
+        "x, w = torch.randn(8, 16), torch.randn(16, 16)\n"
+        "f = torch.compile(lambda x, w: F.gelu(x @ w).sum(-1) / 3, fullgraph=True)\n"
+        "before = superchip.memory_stats(1)['hbm.num_allocs']\n"
+        "out = f(x.to('superchip:1'), w.to('superchip:1'))\n"
+        "assert out.device == torch.device('superchip:1'), out.device\n"
+        "assert superchip.memory_stats(1)['hbm.num_allocs'] > before + 2\n"
+        "torch.testing.assert_close(out.cpu(), F.gelu(x @ w).sum(-1) / 3)\n"
+        "print('ok')\n", env={"SUPERCHIP_DEVICE_COUNT": "2"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_device_interface():
+    from superchip._inductor.device_interface import SuperchipInterface as I
+
+    assert I.is_available() and I.device_count() == torch.superchip.device_count()
+    assert I.current_device() == torch.superchip.current_device()
+    assert I.exchange_device(0) == torch.superchip.current_device()
+    assert I.get_raw_stream(0) == 0 or superchip.executor() == "cuda"
+    assert I.get_device_properties().multi_processor_count > 0
+    assert I.memory_allocated() == superchip.memory_stats()["hbm.allocated_bytes"]
+    assert I.is_triton_capable() == (superchip.executor() == "cuda")
+    I.synchronize()
+
+
+# ---- the demo GPT -------------------------------------------------------------------------
+
+def gpt_loss(fn, x, y):
+    return fn(x, y)[1]
+
+
+def tiny_gpt():
+    return GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=2, n_head=2, d_model=32))
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_demo_gpt_trains_like_eager(optimizer):
+    assert_trains_like_eager(tiny_gpt, optimizer, 65, gpt_loss)
+
+
+def test_compiled_buffers_are_superchip_memory(clean_memory):
+    """Every buffer the compiled graph allocates comes from superchip's allocator: a compiled
+    forward allocates in hbm, its output is a superchip tensor in hbm, and the bytes in use
+    return exactly to where they were once the output is gone."""
+    torch.manual_seed(0)
+    model = tiny_gpt().to("superchip")
+    x = torch.randint(0, 65, (2, 16)).to("superchip")
+    fn = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        fn(x)  # compile
+        before = superchip.memory_stats()
+        logits, _ = fn(x)
+        after = superchip.memory_stats()
+    assert logits.device.type == "superchip" and superchip.tier_of(logits) == "hbm"
+    assert after["hbm.num_allocs"] > before["hbm.num_allocs"]
+    assert after["hbm.allocated_bytes"] >= before["hbm.allocated_bytes"] + logits.nbytes
+    assert after["host.num_allocs"] == before["host.num_allocs"]
+    del logits
+    assert superchip.memory_stats()["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+
+
+def test_training_memory_is_accounted_exactly(clean_memory):
+    """After compiled training steps the bytes requested from superchip's allocator are exactly
+    the bytes of the storages still alive (weights, grads, optimizer state), as in eager mode:
+    the compiled graph keeps nothing alive, frees what it made, and everything it hands back
+    (grads included) is accounted. (``allocated_bytes`` may differ from eager's: it counts
+    the cached blocks handed out, and Inductor's buffer reuse changes which blocks those are.)"""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    data = batches(65, 2)
+    in_use = {}
+    for compiled in (False, True):
+        gc.collect()
+        base = superchip.memory_stats()["hbm.requested_bytes"]
+        m = copy.deepcopy(model).to("superchip")
+        opt = OPTIMIZERS["torch.optim.AdamW"](m.parameters())
+        fn = torch.compile(m, fullgraph=True) if compiled else m
+        for seq in data:
+            seq = seq.to("superchip")
+            loss = gpt_loss(fn, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        del loss, seq
+        gc.collect()
+        live = list(m.parameters()) + [p.grad for p in m.parameters()]
+        live += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in live if t.device.type == "superchip"}
+        in_use[compiled] = superchip.memory_stats()["hbm.requested_bytes"] - base
+        assert in_use[compiled] == sum(storages.values()), f"compiled={compiled}"
+        del m, opt, fn, live
+    assert in_use[True] == in_use[False]
+
+
+# ---- Hugging Face Llama ---------------------------------------------------------------------
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def llama_loss(fn, x, y):
+    logits = fn(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_llama_trains_like_eager(optimizer):
+    assert_trains_like_eager(tiny_llama, optimizer, 128, llama_loss)
+
+
+# ---- modes, RNG, unsupported paths ----------------------------------------------------------
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+def test_max_autotune_no_cudagraphs():
+    torch.manual_seed(0)
+    model = MLP().to("superchip")
+    x = torch.randn(8, 16).to("superchip")
+    fn = torch.compile(model, mode="max-autotune-no-cudagraphs", fullgraph=True)
+    out = fn(x)
+    out.sum().backward()
+    ref_model = copy.deepcopy(model)
+    ref_model.zero_grad()
+    ref = ref_model(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=RTOL, atol=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=RTOL, atol=1e-6)
+
+
+def test_dropout_draws_like_compiled_executor():
+    """Inductor's random numbers come from a seed drawn from the device's generator; superchip's
+    generator reproduces the executor's stream, so compiled dropout masks match the executor's
+    compiled ones bit for bit."""
+    def f(x):
+        return F.dropout(x, p=0.5, training=True) * 3
+
+    x = torch.randn(1000)
+    out = {}
+    for dev in ("superchip", superchip.executor()):
+        torch.manual_seed(7)
+        out[dev] = torch.compile(f, fullgraph=True)(x.to(dev)).cpu()
+    torch.testing.assert_close(out["superchip"], out[superchip.executor()], rtol=0, atol=0)
+    assert 0.3 < (out["superchip"] == 0).float().mean() < 0.7
+
+
+def test_cpp_wrapper_is_rejected_clearly():
+    import torch._inductor.config as inductor_config
+
+    x = torch.randn(4).to("superchip")
+    with (inductor_config.patch(cpp_wrapper=True),
+          pytest.raises(Exception, match="not supported on the superchip device")):
+        torch.compile(lambda t: t.cos() * 2, fullgraph=True)(x)
