@@ -9,12 +9,14 @@
 #include <pybind11/stl.h>
 
 #include "allocator/Topology.h"
+#include "backend/distributed/ProcessGroupSccl.h"
 #include "backend/optim/FusedStep.h"
 #include "ops/cpu/Bandwidth.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
+#include "backend/runtime/StorageLease.h"
 
 namespace py = pybind11;
 
@@ -198,5 +200,19 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_optimizer_threads", &optimizer_threads);
   m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
+  // ---- distributed (python/superchip/distributed.py builds the inner group) ----
+  m.def("_create_sccl_backend",
+        [](c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, double timeout_s) {
+          return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<ProcessGroupSccl>(
+              std::move(inner), rank, size,
+              std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0))));
+        },
+        py::arg("inner"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"));
+  m.def("_sccl_inner", [](const c10::intrusive_ptr<c10d::Backend>& b) {
+    auto* s = dynamic_cast<ProcessGroupSccl*>(b.get());
+    TORCH_CHECK(s != nullptr, "expected an sccl backend, got '", b->getBackendName(), "'.");
+    return s->inner();
+  });
+  m.def("_leased_storage_count", [] { return leased_storage_count(); });
   m.def("_topology", [] { return Topology::get().describe(); });
 }

@@ -11,6 +11,7 @@
 
 #include "allocator/Topology.h"
 #include "backend/runtime/Runtime.h"
+#include "backend/runtime/StorageLease.h"
 
 namespace superchip {
 namespace {
@@ -138,6 +139,7 @@ Tier storage_tier(const c10::StorageImpl& storage) {
 
 void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
   if (storage_tier(storage) == tier) return;
+  check_no_lease(storage, "superchip.move_to_tier");
   const c10::DeviceIndex device = storage.device().index();
   const size_t nbytes = storage.nbytes();
   c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet

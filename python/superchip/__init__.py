@@ -43,6 +43,7 @@ import time as _time  # noqa: E402
 
 _atexit.register(_time.sleep, 0.02)
 from . import optim  # noqa: E402,F401
+from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 
 __all__ = [
     "memory_stats",
