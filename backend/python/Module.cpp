@@ -16,6 +16,7 @@
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
+#include "backend/runtime/SuperchipGuard.h"
 #include "backend/runtime/StorageLease.h"
 
 namespace py = pybind11;
@@ -213,6 +214,10 @@ PYBIND11_MODULE(_C, m) {
     TORCH_CHECK(s != nullptr, "expected an sccl backend, got '", b->getBackendName(), "'.");
     return s->inner();
   });
+  m.def("_hold_emulated_stream", [](int device, int64_t id, bool hold) {
+    hold_emulated_stream(static_cast<c10::DeviceIndex>(device), static_cast<c10::StreamId>(id), hold);
+  });
+  m.def("_pending_stream_frees", [] { return pending_stream_frees(); });
   m.def("_leased_storage_count", [] { return leased_storage_count(); });
   m.def("_topology", [] { return Topology::get().describe(); });
 }
