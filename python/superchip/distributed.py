@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import _C
 
 __all__ = ["BACKEND", "DEFAULT_BACKEND", "is_sccl_group", "inner_group_backend", "ulysses_attention",
-           "local_shard", "host_tier_bytes"]
+           "local_shard", "state_like", "host_tier_bytes"]
 
 BACKEND = "sccl"
 DEFAULT_BACKEND = "cpu:gloo,superchip:sccl"
@@ -103,6 +103,64 @@ def inner_group_backend(group=None) -> str:
     """Name of the transport under sccl in ``group``: ``"gloo"`` or ``"nccl"``."""
     group = group or dist.group.WORLD
     return _C._sccl_inner(group._get_backend(torch.device("superchip"))).name()
+
+
+# ---- sharded (DTensor) parameters for superchip.optim ----
+
+def is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_shard(t):
+    """The rank-local tensor of a DTensor (FSDP2 parameter, gradient or optimizer state).
+
+    The local tensor shares the DTensor's bytes, so the fused kernels write through to it.
+    Plain tensors and None pass through.
+    """
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_shards(*lists):
+    """``local_shard`` over each element of each list (the operand lists of a fused step)."""
+    return tuple([local_shard(t) for t in lst] for lst in lists)
+
+
+def local_values(param, values: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``values`` for DTensor ``param``: the local shard of a DTensor, or
+    the slice of a full (unsharded) tensor that this rank holds. No communication."""
+    if is_dtensor(values):
+        return values.to_local()
+    if tuple(values.shape) == tuple(param.to_local().shape) and param.shape != values.shape:
+        return values
+    if tuple(values.shape) != tuple(param.shape):
+        raise ValueError(
+            f"superchip.optim: state of shape {tuple(values.shape)} for a sharded parameter of "
+            f"global shape {tuple(param.shape)} (local {tuple(param.to_local().shape)}); pass the "
+            f"full tensor or a DTensor sharded like the parameter."
+        )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return values[index]
+
+
+def state_like(param, local_state: torch.Tensor):
+    """Wraps a rank-local optimizer state as a DTensor sharded like ``param``, so that
+    ``state_dict()`` and torch.distributed.checkpoint see the global tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_state, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def host_tier_bytes(device=None) -> int:
+    """Bytes this rank holds in the ``host`` tier (optimizer state, offloaded tensors)."""
+    from . import memory_stats
+
+    return int(memory_stats(device)["host.allocated_bytes"])
 
 
 _register()

@@ -14,6 +14,7 @@ from itertools import chain
 import torch
 
 from . import _C
+from . import distributed as _dist  # DTensor (FSDP2) parameters: local shards, sharded state
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -49,6 +50,9 @@ def _reject_unsupported(cls: str, *, differentiable=False, capturable=False, fus
 
 def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """An fp32 tensor shaped like ``p`` on p's device (host tier for superchip), zeros or ``values``."""
+    if _dist.is_dtensor(p):  # FSDP2: this rank's shard, wrapped as a DTensor sharded like p
+        local = None if values is None else _dist.local_values(p, values.detach())
+        return _dist.state_like(p, _state_tensor(p.to_local(), local))
     if p.device.type == "superchip":
         t = _C._fp32_in_tier(p.detach(), "host", False)
         if values is not None:
@@ -205,6 +209,7 @@ class Adam(_FusedOptimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
+            params, grads, masters, m1, m2, mx = _dist.local_shards(params, grads, masters, m1, m2, mx)
             _C._adam_step(params, grads, masters, m1, m2, mx, steps, _scalar(group["lr"], "lr"),
                           _scalar(beta1, "beta1"), _scalar(beta2, "beta2"), float(group["eps"]),
                           float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
@@ -283,6 +288,7 @@ class SGD(_FusedOptimizer):
                     first.append(False)
             if not params:
                 continue
+            params, grads, masters, buffers = _dist.local_shards(params, grads, masters, buffers)
             _C._sgd_step(params, grads, masters, buffers, first, _scalar(group["lr"], "lr"),
                          momentum, float(group["dampening"]), float(group["weight_decay"]),
                          bool(group["nesterov"]), bool(group["maximize"]))
