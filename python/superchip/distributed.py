@@ -59,7 +59,76 @@ def _create_sccl(dist_opts, backend_options):
                 "build has no Gloo. Install a torch build with distributed support."
             )
         inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+    _install_rng_tracker()
     return _C._create_sccl_backend(inner, rank, size, timeout.total_seconds())
+
+
+# ---- DTensor random ops: Note [DTensor RNG on superchip] ----
+# torch's OffsetBasedRNGTracker gives each shard of a DTensor its own part of one random
+# stream by moving the *offset* of a Philox generator state (16 bytes: seed, offset). With the
+# CUDA executor superchip's generator is CUDA's Philox one and that tracker works unchanged.
+# Emulated, superchip's generator is the CPU's Mersenne Twister (so superchip reproduces the
+# CPU's random stream bit for bit, which the test suite relies on); it has no offset to move,
+# and OffsetBasedRNGTracker would write into the middle of its 5056-byte state. So superchip
+# registers its own tracker (torch's extension point, random._rng_tracker) for the emulated
+# executor: per random op, every rank draws one 64-bit value from the shared stream (all
+# ranks advance identically), and the op runs on a stream seeded from that value and the
+# shard's linear index. Shards are deterministic under torch.manual_seed, distinct between
+# shards, identical between ranks that hold the same shard (replicated mesh dimensions).
+
+def _make_rng_tracker():
+    import contextlib
+
+    from torch.distributed.tensor import _random as dt_random
+
+    class SuperchipRNGTracker(dt_random._RNGStateTracker):
+        """Per-shard seeds derived from the shared superchip stream (emulated executor)."""
+
+        def __init__(self):
+            super().__init__(torch.device("superchip", torch.superchip.current_device()))
+            self._synced = False
+
+        def _sync(self, mesh) -> None:
+            # As OffsetBasedRNGTracker(run_state_sync=True): every rank starts from rank 0's state.
+            if self._synced or not dist.is_initialized():
+                return
+            self._synced = True
+            state = torch.superchip.get_rng_state().to(self._device)
+            dist.broadcast(state, mesh.mesh.flatten()[0].item(), group=mesh.get_group(0)
+                           if mesh.ndim == 1 else None)
+            torch.superchip.set_rng_state(state.cpu())
+
+        @contextlib.contextmanager
+        def _distribute_region(self, spec, generator=None):
+            if spec.mesh.device_type != "superchip" or not self.distribute_region_enabled:
+                yield
+                return
+            self._sync(spec.mesh)
+            gen = generator if generator is not None else torch.superchip._generator(self._device)
+            draw = torch.empty((), dtype=torch.int64, device=self._device)
+            base = int(draw.random_(generator=gen).item())
+            after = gen.get_state()
+            coord = spec.mesh.get_coordinate() or [0] * spec.mesh.ndim
+            shard = 0
+            for d, placement in enumerate(spec.placements):
+                if placement.is_shard():
+                    shard = shard * spec.mesh.size(d) + coord[d]
+            gen.manual_seed((base ^ ((shard + 1) * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1))
+            try:
+                yield
+            finally:
+                gen.set_state(after)
+
+    return SuperchipRNGTracker()
+
+
+def _install_rng_tracker() -> None:
+    if _C._executor() != "cpu":
+        return  # CUDA's Philox generator: torch's OffsetBasedRNGTracker applies as is
+    from torch.distributed.tensor import _random as dt_random
+
+    if dt_random._rng_tracker is None or isinstance(dt_random._rng_tracker, dt_random.OffsetBasedRNGTracker):
+        dt_random._rng_tracker = _make_rng_tracker()
 
 
 def _default_to_sccl(init):
@@ -103,6 +172,109 @@ def inner_group_backend(group=None) -> str:
     """Name of the transport under sccl in ``group``: ``"gloo"`` or ``"nccl"``."""
     group = group or dist.group.WORLD
     return _C._sccl_inner(group._get_backend(torch.device("superchip"))).name()
+
+
+# ---- Ulysses sequence parallelism ----
+# Each of P ranks holds a slice of the sequence, [s_r, H, D]. One all-to-all trades the
+# sequence split for a head split, [S, h_r, D] (S = sum s_r, h_r = this rank's heads), so the
+# attention function sees whole sequences for its heads; a second all-to-all trades back.
+# The two exchanges are each other's inverse, which is also each one's backward. Uneven
+# splits: heads are dealt as evenly as possible (the first H % P ranks get one more);
+# sequence slices may differ in length between ranks.
+
+def _even_splits(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _exchange(x: torch.Tensor, send_dim: int, send_splits: list[int], recv_dim: int,
+              recv_splits: list[int], group) -> torch.Tensor:
+    """All-to-all that splits ``x`` along ``send_dim`` (piece j to rank j) and concatenates the
+    pieces received along ``recv_dim``; every other dimension is kept."""
+    rank = dist.get_rank(group)
+    pieces = [c.contiguous() for c in x.split(send_splits, dim=send_dim)]
+    send = torch.cat([c.reshape(-1) for c in pieces]) if pieces else x.new_empty(0)
+    shapes = []
+    for j in range(len(recv_splits)):
+        shape = list(x.shape)
+        shape[send_dim] = send_splits[rank]
+        shape[recv_dim] = recv_splits[j]
+        shapes.append(shape)
+    recv_numel = [int(torch.Size(sh).numel()) for sh in shapes]
+    recv = x.new_empty(sum(recv_numel))
+    dist.all_to_all_single(recv, send, recv_numel, [c.numel() for c in pieces], group=group)
+    parts = [r.view(sh) for r, sh in zip(recv.split(recv_numel), shapes)]
+    return torch.cat(parts, dim=recv_dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[s_r, H, ...] -> [S, h_r, ...]; backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, seq_splits, head_splits, group):
+        ctx.args = (seq_splits, head_splits, group)
+        return _exchange(x, 1, head_splits, 0, seq_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        seq_splits, head_splits, group = ctx.args
+        return _exchange(grad.contiguous(), 0, seq_splits, 1, head_splits, group), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """[S, h_r, ...] -> [s_r, H, ...]; backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, y, seq_splits, head_splits, group):
+        ctx.args = (seq_splits, head_splits, group)
+        return _exchange(y, 0, seq_splits, 1, head_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        seq_splits, head_splits, group = ctx.args
+        return _exchange(grad.contiguous(), 1, head_splits, 0, seq_splits, group), None, None, None
+
+
+def ulysses_attention(attn_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args,
+                      group=None, seq_lens: list[int] | None = None, **kwargs) -> torch.Tensor:
+    """Ulysses sequence-parallel attention around any attention function.
+
+    ``q``, ``k``, ``v``: this rank's slice of the sequence, ``[s_r, H, D]`` (``v`` may have
+    another last dimension). ``attn_fn(q, k, v, *args, **kwargs)`` is called with whole
+    sequences for this rank's heads, ``[S, h_r, D]``, and must return ``[S, h_r, D_v]``; the
+    result is this rank's sequence slice of the output, ``[s_r, H, D_v]``. Differentiable:
+    forward and backward equal attention on the full sequence in one process. ``H`` need not
+    divide by the group size (ranks get ``H // P`` or ``H // P + 1`` heads). ``seq_lens``:
+    every rank's ``s_r`` when they differ (default: gathered, one small all-gather).
+    """
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 3:
+            raise ValueError(f"ulysses_attention: {name} must be [seq, heads, dim], got shape {tuple(t.shape)}")
+    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"ulysses_attention: q, k, v must share [seq, heads]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    heads = q.shape[1]
+    if heads < world:
+        raise ValueError(
+            f"ulysses_attention: {heads} heads cannot be split over {world} ranks; use at most "
+            f"as many ranks as heads (or a smaller group)."
+        )
+    if seq_lens is None:
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(lens, torch.tensor([q.shape[0]], dtype=torch.int64), group=group)
+        seq_lens = [int(t.item()) for t in lens]
+    if len(seq_lens) != world or seq_lens[dist.get_rank(group)] != q.shape[0]:
+        raise ValueError(
+            f"ulysses_attention: seq_lens {seq_lens} does not match {world} ranks with this "
+            f"rank's {q.shape[0]} positions"
+        )
+    head_splits = _even_splits(heads, world)
+    qh, kh, vh = (_SeqToHeads.apply(t, seq_lens, head_splits, group) for t in (q, k, v))
+    out = attn_fn(qh, kh, vh, *args, **kwargs)
+    return _HeadsToSeq.apply(out, seq_lens, head_splits, group)
 
 
 # ---- sharded (DTensor) parameters for superchip.optim ----
