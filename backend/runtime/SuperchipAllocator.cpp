@@ -116,8 +116,12 @@ void retire_pending_frees() noexcept {
           done = false;
         }
       }
-      if (done) ready.push_back(std::move(*it));
-      else *keep++ = std::move(*it);
+      if (done) {
+        ready.push_back(std::move(*it));
+      } else {
+        if (keep != it) *keep = std::move(*it);  // never self-move: it would empty `events`
+        ++keep;
+      }
     }
     u.pending.erase(keep, u.pending.end());
   }

@@ -174,15 +174,16 @@ class Stream(torch.Stream):
         pass
 
 
-class Event(torch.Event):
-    """A superchip event, as ``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``."""
+class Event:
+    """A superchip event, as ``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``.
+
+    Returns a plain ``torch.Event`` of the superchip device: torch's event methods
+    (``elapsed_time``) accept only that exact type, not a subclass.
+    """
 
     def __new__(cls, enable_timing=False, blocking=False, interprocess=False, device=None):
-        return super().__new__(cls, device=_device_of(device), enable_timing=enable_timing,
-                               blocking=blocking, interprocess=interprocess)
-
-    def __init__(self, *args, **kwargs):
-        pass
+        return torch.Event(device=_device_of(device), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
 
 
 def _wrap(s: torch.Stream) -> Stream:
