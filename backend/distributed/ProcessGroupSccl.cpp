@@ -126,6 +126,7 @@ class WorkSccl final : public c10d::Work {
         leases_(std::move(ops.leases)),
         copy_back_(std::move(ops.copy_back)),
         results_(std::move(results)),
+        leases_until_done_(device_future),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()),
             device_future ? ops.devices : std::vector<c10::Device>{})) {}
@@ -162,12 +163,13 @@ class WorkSccl final : public c10d::Work {
   bool isCompleted() override {
     {
       std::lock_guard<std::mutex> g(mutex_);
-      if (finished_) return true;
+      if (finished_ && !leases_until_done_) return true;
       if (pending_ > 0) return false;
     }
     for (const WorkPtr& w : inner_) {
       if (!w->isCompleted()) return false;
     }
+    release_leases();
     std::exception_ptr err;
     for (const WorkPtr& w : inner_) {
       if (!w->isSuccess()) err = w->exception();
@@ -210,6 +212,7 @@ class WorkSccl final : public c10d::Work {
       cv_.wait(lock, [&] { return pending_ == 0 || finished_; });
     }
     finish_once(err);
+    release_leases();
     std::lock_guard<std::mutex> g(mutex_);
     if (error_) std::rethrow_exception(error_);
     return true;
@@ -217,6 +220,14 @@ class WorkSccl final : public c10d::Work {
 
   void abort() override {
     for (const WorkPtr& w : inner_) w->abort();
+  }
+
+  void release_leases() {
+    std::vector<StorageLease> dead;
+    {
+      std::lock_guard<std::mutex> g(mutex_);
+      dead.swap(leases_);
+    }
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
@@ -249,7 +260,7 @@ class WorkSccl final : public c10d::Work {
       }
     }
     copy_back_.clear();
-    leases_.clear();
+    if (!leases_until_done_) release_leases();
     {
       std::lock_guard<std::mutex> g(mutex_);
       error_ = err;
@@ -268,6 +279,11 @@ class WorkSccl final : public c10d::Work {
   std::vector<StorageLease> leases_;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;
   std::vector<at::Tensor> results_;
+  // Note [Leases and device completion]: Gloo's future completes when the bytes are final, so
+  // the leases go with it. NCCL's completes once the collective is queued on its stream: the
+  // leases then stay until the work is known to be done (wait(), isCompleted() true, or the
+  // Work is destroyed).
+  bool leases_until_done_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
