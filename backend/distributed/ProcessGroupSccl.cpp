@@ -310,11 +310,12 @@ bool not_supported(const c10::Error& e) {
 // ---- ProcessGroupSccl ----
 
 ProcessGroupSccl::ProcessGroupSccl(c10::intrusive_ptr<c10d::Backend> inner, int rank, int size,
-                                   std::chrono::milliseconds timeout)
+                                   std::chrono::milliseconds timeout, InnerSplitOptionsFn split_options)
     : c10d::Backend(rank, size),
       stage_host_(executor() == Executor::kCuda),
       inner_(std::move(inner)),
-      options_(c10::make_intrusive<Options>("sccl", timeout)) {
+      options_(c10::make_intrusive<SccOptions>(timeout)),
+      split_options_(std::move(split_options)) {
   TORCH_CHECK(inner_, "ProcessGroupSccl: the inner process group is missing.");
   TORCH_CHECK(inner_->getRank() == rank && inner_->getSize() == size,
               "ProcessGroupSccl: the inner process group has rank ", inner_->getRank(), " of ",
@@ -324,6 +325,21 @@ ProcessGroupSccl::ProcessGroupSccl(c10::intrusive_ptr<c10d::Backend> inner, int 
 void ProcessGroupSccl::setTimeout(std::chrono::milliseconds timeout) {
   inner_->setTimeout(timeout);
   options_->timeout = timeout;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupSccl::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                         const std::vector<int>& ranks,
+                                                         const c10::intrusive_ptr<Options>& opts) {
+  TORCH_CHECK(split_options_, "The sccl group cannot be split: it was built without a way to "
+              "make options for its inner group. Create sub-groups with dist.new_group().");
+  const Options& o = opts ? *opts : *options_;
+  c10::intrusive_ptr<c10d::Backend> child = inner_->split(store, ranks, split_options_(inner_, o));
+  if (!child) return nullptr;  // this rank is not in `ranks`
+  auto pg = c10::make_intrusive<ProcessGroupSccl>(child, child->getRank(), child->getSize(),
+                                                  o.timeout, split_options_);
+  pg->options_->group_name = o.group_name;
+  pg->options_->group_desc = o.group_desc;
+  return pg;
 }
 
 namespace {

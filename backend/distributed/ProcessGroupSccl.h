@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,9 +19,19 @@ namespace superchip {
 
 class ProcessGroupSccl final : public c10d::Backend {
  public:
+  // Options of an sccl group; copyable, so torch's split_group can deep-copy them.
+  struct SccOptions : Options {
+    explicit SccOptions(std::chrono::milliseconds timeout) : Options("sccl", timeout) {}
+  };
+  // Builds the options object for splitting `inner` (its own Options type, never the
+  // parent's object, which the inner split would modify) named and timed like `opts`.
+  using InnerSplitOptionsFn = std::function<c10::intrusive_ptr<Options>(
+      const c10::intrusive_ptr<c10d::Backend>& inner, const Options& opts)>;
+
   // `inner` is a backend over the same ranks (a Gloo or NCCL group built by torch).
+  // `split_options` may be empty: the group then does not support splitting.
   ProcessGroupSccl(c10::intrusive_ptr<c10d::Backend> inner, int rank, int size,
-                   std::chrono::milliseconds timeout);
+                   std::chrono::milliseconds timeout, InnerSplitOptionsFn split_options = {});
 
   const std::string getBackendName() const override { return "sccl"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
@@ -73,6 +84,18 @@ class ProcessGroupSccl final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // Splitting (DeviceMesh and new_group when the default group is bound to a device) splits
+  // the inner group and wraps the child; the inner group receives its own options object
+  // with the caller's group name and timeout, as torch passes it to a plain Gloo/NCCL group.
+  bool supportsSplitting() const override {
+    return static_cast<bool>(split_options_) && inner_->supportsSplitting();
+  }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+
+  void setSequenceNumberForGroup() override { inner_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return inner_->getSequenceNumberForGroup(); }
   void shutdown() override { inner_->shutdown(); }
   void abort() override { inner_->abort(); }
 
@@ -82,7 +105,8 @@ class ProcessGroupSccl final : public c10d::Backend {
   // NCCL cannot read host memory: host-tier and CPU operands go through device copies.
   bool stage_host_;
   c10::intrusive_ptr<c10d::Backend> inner_;
-  c10::intrusive_ptr<Options> options_;
+  c10::intrusive_ptr<SccOptions> options_;
+  InnerSplitOptionsFn split_options_;
 };
 
 }  // namespace superchip

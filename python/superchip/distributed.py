@@ -59,8 +59,32 @@ def _create_sccl(dist_opts, backend_options):
                 "build has no Gloo. Install a torch build with distributed support."
             )
         inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # Gloo's split maps group ranks to global ranks through this list; torch leaves it
+        # empty for the default group, which only Gloo's first group in a process tolerates.
+        inner.options.global_ranks_in_group = list(dist_opts.global_ranks_in_group) or list(range(size))
+        inner.options.group_name = dist_opts.group_id
     _install_rng_tracker()
-    return _C._create_sccl_backend(inner, rank, size, timeout.total_seconds())
+    return _C._create_sccl_backend(inner, rank, size, timeout.total_seconds(), _inner_split_options)
+
+
+def _inner_split_options(inner, group_name: str, group_desc: str, timeout_s: float):
+    """Options for splitting sccl's inner group (called by ProcessGroupSccl::split).
+
+    A fresh object of the inner group's own type: the inner split writes into it (ranks,
+    split source), so it must never be the parent's. NCCL's options are deep-copied from the
+    parent (as torch's split_group does); Gloo's cannot be copied and are built anew as
+    torch builds them for a new Gloo group (default device, default threads).
+    """
+    if inner.name() == "nccl":
+        import copy
+
+        opts = copy.deepcopy(inner.options)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts.group_name = group_name
+    return opts
 
 
 # ---- DTensor random ops: Note [DTensor RNG on superchip] ----

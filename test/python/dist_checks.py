@@ -321,6 +321,25 @@ def check_other_backend_strings():
         dist.destroy_process_group(pg)
 
 
+def check_device_id_and_split():
+    """A world group bound to a device (eager init): DeviceMesh then splits the sccl group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.destroy_process_group()
+    dist.init_process_group(init_method=f"file://{os.path.join(INIT_DIR, 'rendezvous_bound')}",
+                            rank=RANK, world_size=WORLD, device_id=DEV)
+    assert dist.group.WORLD.bound_device_id == DEV
+    mesh = init_device_mesh("superchip", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    for dim in ("replicate", "shard"):
+        pg = mesh.get_group(dim)
+        assert pg._get_backend(DEV).name() == "sccl" and pg.size() == mesh.size(mesh.mesh_dim_names.index(dim))
+        t = data(3).to(DEV)
+        c = data(3)
+        dist.all_reduce(t, group=pg)
+        dist.all_reduce(c, group=pg)
+        eq(t, c, f"all_reduce over the split '{dim}' group")
+
+
 # ---- DDP ----
 
 def mlp(seed=0, bn=False):
@@ -575,7 +594,7 @@ GROUPS = {
     "collectives": ["backend_selection", "broadcast", "allreduce_ops", "allgather", "reduce_scatter",
                     "coalesced", "alltoall", "send_recv", "reduce_gather_scatter",
                     "barrier_and_objects", "host_tier_operands", "async_work_and_tier_move",
-                    "functional_collectives", "other_backend_strings"],
+                    "functional_collectives", "other_backend_strings", "device_id_and_split"],
     "training": ["ddp", "ddp_superchip_optim", "fsdp2", "fsdp2_superchip_optim", "dcp_roundtrip",
                  "dtensor_random_init", "ulysses"],
 }
