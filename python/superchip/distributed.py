@@ -112,14 +112,14 @@ def _make_rng_tracker():
             super().__init__(torch.device("superchip", torch.superchip.current_device()))
             self._synced = False
 
-        def _sync(self, mesh) -> None:
-            # As OffsetBasedRNGTracker(run_state_sync=True): every rank starts from rank 0's state.
+        def _sync(self) -> None:
+            # As OffsetBasedRNGTracker(run_state_sync=True), at the first DTensor random op:
+            # every rank takes global rank 0's state (broadcast over the default group).
             if self._synced or not dist.is_initialized():
                 return
             self._synced = True
             state = torch.superchip.get_rng_state().to(self._device)
-            dist.broadcast(state, mesh.mesh.flatten()[0].item(), group=mesh.get_group(0)
-                           if mesh.ndim == 1 else None)
+            dist.broadcast(state, 0)
             torch.superchip.set_rng_state(state.cpu())
 
         @contextlib.contextmanager
@@ -127,7 +127,7 @@ def _make_rng_tracker():
             if spec.mesh.device_type != "superchip" or not self.distribute_region_enabled:
                 yield
                 return
-            self._sync(spec.mesh)
+            self._sync()
             gen = generator if generator is not None else torch.superchip._generator(self._device)
             draw = torch.empty((), dtype=torch.int64, device=self._device)
             base = int(draw.random_(generator=gen).item())

@@ -470,6 +470,13 @@ def check_fsdp2():
 
 
 def check_fsdp2_superchip_optim():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    for name, kw in (("bf16 compute", dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
+                     ("CPUOffloadPolicy", dict(offload_policy=CPUOffloadPolicy()))):
+        c = params_cpu(train_fsdp(torch.device("cpu"), optim="torch", **kw)[0])
+        s = params_cpu(train_fsdp(DEV, optim="superchip", **kw)[0])
+        assert_params(s, c, f"FSDP2 {name} + superchip.optim vs torch AdamW", exact=False)
     c_model, _ = train_fsdp(torch.device("cpu"), optim="torch")
     s_model, s_opt = train_fsdp(DEV, optim="superchip")
     assert_params(params_cpu(s_model), params_cpu(c_model), "FSDP2 + superchip.optim vs torch AdamW", exact=False)
