@@ -179,6 +179,11 @@ def _register() -> None:
     if "SCCL" not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create_sccl, extended_api=True,
                                       devices=["superchip", "cpu"])
+        # torch (2.13) picks a multi-device group's default backend by testing whether the
+        # *first* plugin key is among the group's backend names; keys are upper case and names
+        # lower case, so "cpu:gloo,superchip:sccl" would get no default backend (and warn on
+        # every hook check). A lower-case alias first makes that test see "sccl".
+        dist.Backend._plugins = {BACKEND: dist.Backend._plugins["SCCL"], **dist.Backend._plugins}
     if not getattr(c10d.BackendConfig.__init__, "_superchip_wrapped", False):
         c10d.BackendConfig.__init__ = _default_to_sccl(c10d.BackendConfig.__init__)
 
@@ -304,6 +309,8 @@ def ulysses_attention(attn_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # ---- sharded (DTensor) parameters for superchip.optim ----
 
 def is_dtensor(t) -> bool:
+    if not dist.is_available():  # a torch build without distributed has no DTensor
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
