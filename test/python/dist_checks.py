@@ -437,6 +437,10 @@ def train_fsdp(dev, steps=3, optim="torch", clip=True, **kw):
     model = shard(mlp().to(dev), mesh, **kw)
     if optim == "superchip":
         opt = superchip.optim.AdamW(model.parameters(), lr=1e-2)
+    elif optim == "superchip_sgd":
+        opt = superchip.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    elif optim == "torch_sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=False)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for x, y in batches(steps, dev):
@@ -477,6 +481,9 @@ def check_fsdp2_superchip_optim():
         c = params_cpu(train_fsdp(torch.device("cpu"), optim="torch", **kw)[0])
         s = params_cpu(train_fsdp(DEV, optim="superchip", **kw)[0])
         assert_params(s, c, f"FSDP2 {name} + superchip.optim vs torch AdamW", exact=False)
+    c = params_cpu(train_fsdp(torch.device("cpu"), optim="torch_sgd")[0])
+    s = params_cpu(train_fsdp(DEV, optim="superchip_sgd")[0])
+    assert_params(s, c, "FSDP2 + superchip.optim.SGD (Nesterov) vs torch SGD", exact=False)
     c_model, _ = train_fsdp(torch.device("cpu"), optim="torch")
     s_model, s_opt = train_fsdp(DEV, optim="superchip")
     assert_params(params_cpu(s_model), params_cpu(c_model), "FSDP2 + superchip.optim vs torch AdamW", exact=False)
