@@ -215,4 +215,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   return {tag(gi), tag(gw), tag(gb)};
 }
 
+void record_stream(at::Tensor& self, c10::Stream s) {
+  TORCH_CHECK(s.device_type() == c10::DeviceType::PrivateUse1, "record_stream: a superchip tensor "
+              "can be recorded on a superchip stream only, got a stream of ", s.device(),
+              ". Use torch.superchip.current_stream() or torch.superchip.Stream().");
+  superchip_allocator().recordStream(self.storage().data_ptr(), s);
+}
+
 }  // namespace superchip::native

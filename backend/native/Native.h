@@ -35,6 +35,9 @@ at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source);
 at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source);
 at::Tensor& set_empty(at::Tensor& self);
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking);
+// Tensor.record_stream(s): the storage's block is not reused until work queued on `s` so far
+// has run (SuperchipAllocator::recordStream).
+void record_stream(at::Tensor& self, c10::Stream s);
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst);
 c10::Scalar local_scalar_dense(const at::Tensor& self);
 // Module.to("superchip") keeps parameter identity (and weight tying) through `.data =`,

@@ -9,12 +9,15 @@
 #include <pybind11/stl.h>
 
 #include "allocator/Topology.h"
+#include "backend/distributed/ProcessGroupSccl.h"
 #include "backend/optim/FusedStep.h"
 #include "ops/cpu/Bandwidth.h"
 #include "backend/register/Registration.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
+#include "backend/runtime/SuperchipGuard.h"
+#include "backend/runtime/StorageLease.h"
 
 namespace py = pybind11;
 
@@ -201,6 +204,55 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_optimizer_threads", &optimizer_threads);
   m.def("_optimizer_simd_path", [] { return std::string(optimizer_simd_path()); });
+  // ---- distributed (python/superchip/distributed.py builds the inner group) ----
+  py::class_<ProcessGroupSccl::SccOptions, c10d::Backend::Options,
+             c10::intrusive_ptr<ProcessGroupSccl::SccOptions>>(m, "ProcessGroupScclOptions")
+      .def("__copy__", [](const ProcessGroupSccl::SccOptions& o) {
+        return c10::make_intrusive<ProcessGroupSccl::SccOptions>(o);
+      })
+      .def("__deepcopy__", [](const ProcessGroupSccl::SccOptions& o, py::dict) {
+        return c10::make_intrusive<ProcessGroupSccl::SccOptions>(o);
+      });
+  py::class_<ProcessGroupSccl, c10d::Backend, c10::intrusive_ptr<ProcessGroupSccl>>(m, "ProcessGroupSccl")
+      .def_property_readonly("options", [](ProcessGroupSccl& self) {
+        return c10::static_intrusive_pointer_cast<ProcessGroupSccl::SccOptions>(self.getBackendOptions());
+      })
+      .def_property_readonly("inner", &ProcessGroupSccl::inner);
+  m.def("_create_sccl_backend",
+        [](c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, double timeout_s,
+           py::object split_options) {
+          ProcessGroupSccl::InnerSplitOptionsFn fn;
+          if (!split_options.is_none()) {
+            // Calls python/superchip/distributed.py:_inner_split_options under the GIL; the
+            // shared_ptr lets the function outlive this call without leaking the object.
+            auto callable = std::shared_ptr<py::object>(new py::object(split_options), [](py::object* o) {
+              if (!Py_IsInitialized()) return;  // after interpreter exit: leak, never touch Python
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+            fn = [callable](const c10::intrusive_ptr<c10d::Backend>& in, const c10d::Backend::Options& o) {
+              py::gil_scoped_acquire gil;
+              py::object r = (*callable)(in, o.group_name, o.group_desc,
+                                         std::chrono::duration<double>(o.timeout).count());
+              return r.cast<c10::intrusive_ptr<c10d::Backend::Options>>();
+            };
+          }
+          return c10::make_intrusive<ProcessGroupSccl>(
+              std::move(inner), rank, size,
+              std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)), std::move(fn));
+        },
+        py::arg("inner"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+        py::arg("split_options") = py::none());
+  m.def("_sccl_inner", [](const c10::intrusive_ptr<c10d::Backend>& b) {
+    auto* s = dynamic_cast<ProcessGroupSccl*>(b.get());
+    TORCH_CHECK(s != nullptr, "expected an sccl backend, got '", b->getBackendName(), "'.");
+    return s->inner();
+  });
+  m.def("_hold_emulated_stream", [](int device, int64_t id, bool hold) {
+    hold_emulated_stream(static_cast<c10::DeviceIndex>(device), static_cast<c10::StreamId>(id), hold);
+  });
+  m.def("_pending_stream_frees", [] { return pending_stream_frees(); });
+  m.def("_leased_storage_count", [] { return leased_storage_count(); });
   m.def("_topology", [] { return Topology::get().describe(); });
   bind_engine(m);
 }

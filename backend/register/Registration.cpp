@@ -120,6 +120,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
+  m.impl("record_stream", TORCH_FN(record_stream));
 }
 
 // Cross-device copies of conjugate / negative views resolve the bit inside the copy itself

@@ -9,9 +9,14 @@
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "allocator/Topology.h"
 #include "backend/runtime/Runtime.h"
+#include "backend/runtime/StorageLease.h"
 
 namespace superchip {
 namespace {
@@ -26,12 +31,103 @@ MemoryManager* owner_of(const void* ptr) noexcept {
   return nullptr;
 }
 
-void block_delete(void* ptr) noexcept {
-  if (ptr == nullptr) return;
+void free_block_now(void* ptr) noexcept {
   if (MemoryManager* m = owner_of(ptr)) {
     m->free(ptr);
   } else {
     std::fprintf(stderr, "superchip: internal error: freeing %p, which no device owns\n", ptr);
+  }
+}
+
+// ---- stream-ordered reuse: Note [record_stream] ----
+// A block recorded on streams (Tensor.record_stream) is, when its storage dies, not returned
+// to the MemoryManager at once: an event is recorded on each of those streams and the block
+// waits in `pending` until every event has completed; allocate() and empty_cache() retire the
+// completed ones. So a block is never handed out again while a stream that used it may still
+// run. Invariant: a pointer is in at most one of `recorded` (live) and `pending` (dead).
+struct PendingFree {
+  void* ptr;
+  std::vector<std::pair<void*, c10::DeviceIndex>> events;  // (event, device)
+};
+
+struct StreamUses {
+  std::mutex mutex;
+  std::unordered_map<void*, std::vector<c10::Stream>> recorded;
+  std::vector<PendingFree> pending;
+};
+
+StreamUses& stream_uses() {
+  static auto* u = new StreamUses();  // leaked: storages die during interpreter teardown
+  return *u;
+}
+
+const c10::impl::DeviceGuardImplInterface* superchip_guard() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
+}
+
+void block_delete(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  StreamUses& u = stream_uses();
+  std::vector<c10::Stream> streams;
+  {
+    std::lock_guard<std::mutex> g(u.mutex);
+    auto it = u.recorded.find(ptr);
+    if (it != u.recorded.end()) {
+      streams = std::move(it->second);
+      u.recorded.erase(it);
+    }
+  }
+  if (streams.empty()) {
+    free_block_now(ptr);
+    return;
+  }
+  PendingFree p{ptr, {}};
+  for (const c10::Stream& s : streams) {
+    void* event = nullptr;
+    try {
+      superchip_guard()->record(&event, s, s.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
+      p.events.emplace_back(event, s.device_index());
+    } catch (...) {
+      // Without an event the order cannot be kept lazily: wait for the stream instead.
+      try {
+        superchip_guard()->synchronizeStream(s);
+      } catch (...) {
+      }
+    }
+  }
+  std::lock_guard<std::mutex> g(u.mutex);
+  u.pending.push_back(std::move(p));
+}
+
+// Frees the pending blocks whose streams have passed their events. Never throws.
+void retire_pending_frees() noexcept {
+  StreamUses& u = stream_uses();
+  std::vector<PendingFree> ready;
+  {
+    std::lock_guard<std::mutex> g(u.mutex);
+    if (u.pending.empty()) return;
+    auto keep = u.pending.begin();
+    for (auto it = u.pending.begin(); it != u.pending.end(); ++it) {
+      bool done = true;
+      for (auto& [event, device] : it->events) {
+        try {
+          done = done && superchip_guard()->queryEvent(event);
+        } catch (...) {
+          done = false;
+        }
+      }
+      if (done) {
+        ready.push_back(std::move(*it));
+      } else {
+        if (keep != it) *keep = std::move(*it);  // never self-move: it would empty `events`
+        ++keep;
+      }
+    }
+    u.pending.erase(keep, u.pending.end());
+  }
+  for (PendingFree& p : ready) {
+    for (auto& [event, device] : p.events) superchip_guard()->destroyEvent(event, device);
+    free_block_now(p.ptr);
   }
 }
 
@@ -172,6 +268,7 @@ Tier storage_tier(const c10::StorageImpl& storage) {
 
 void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
   if (storage_tier(storage) == tier) return;
+  check_no_lease(storage, "superchip.move_to_tier");
   const c10::DeviceIndex device = storage.device().index();
   const size_t nbytes = storage.nbytes();
   c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet
@@ -194,6 +291,7 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
 // ---- SuperchipAllocator ----
 
 c10::DataPtr SuperchipAllocator::allocate(size_t nbytes) {
+  retire_pending_frees();
   return allocate_in_tier(nbytes, Tier::kHbm, current_device());
 }
 
@@ -208,12 +306,29 @@ void SuperchipAllocator::copy_data(void* dest, const void* src, std::size_t coun
 }
 
 void SuperchipAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
+  retire_pending_frees();
   for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
     if (MemoryManager* m = memory_if_created(i)) m->empty_cache();
   }
 }
 
-void SuperchipAllocator::recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) {}
+void SuperchipAllocator::recordStream(const c10::DataPtr& ptr, c10::Stream stream) {
+  // Adopted executor memory (CUDA's caching allocator) and empty storages are not ours to hold.
+  if (ptr.get_deleter() != &block_delete || ptr.get() == nullptr) return;
+  StreamUses& u = stream_uses();
+  std::lock_guard<std::mutex> g(u.mutex);
+  auto& streams = u.recorded[ptr.get()];
+  for (const c10::Stream& s : streams) {
+    if (s == stream) return;
+  }
+  streams.push_back(stream);
+}
+
+size_t pending_stream_frees() {
+  StreamUses& u = stream_uses();
+  std::lock_guard<std::mutex> g(u.mutex);
+  return u.pending.size();
+}
 
 c10::CachingDeviceAllocator::DeviceStats SuperchipAllocator::getDeviceStats(c10::DeviceIndex device) {
   return to_device_stats(memory(resolve_device(device)).stats(Tier::kHbm));

@@ -26,7 +26,9 @@ class SuperchipAllocator final : public c10::DeviceAllocator {
 
   bool initialized() override { return true; }
   void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
-  // Streams are ordered by the executor; memory is reused on the stream that freed it.
+  // Marks a block as used by `stream`: when its storage dies, the block is reused only after
+  // the work queued on `stream` until then has run (Note [record_stream]). Blocks of adopted
+  // executor memory are left to the executor's allocator.
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override;
   // Figures of the `hbm` tier, so torch.accelerator.memory_allocated() means what
   // torch.cuda.memory_allocated() means; the host tier is in superchip.memory_stats().
@@ -38,6 +40,9 @@ class SuperchipAllocator final : public c10::DeviceAllocator {
 };
 
 SuperchipAllocator& superchip_allocator();
+
+// Dead blocks waiting for a recorded stream before they are reused (tests, diagnostics).
+size_t pending_stream_frees();
 
 // A block of `tier` on `device`, as a DataPtr of device superchip:device.
 c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device);

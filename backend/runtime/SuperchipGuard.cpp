@@ -2,9 +2,15 @@
 
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
 
 namespace superchip {
 namespace {
@@ -21,14 +27,33 @@ bool on_cuda() { return executor() == Executor::kCuda; }
 
 Device to_cuda(Device d) { return Device(DeviceType::CUDA, d.index()); }
 
-// Emulated events: the host time at record(); work on the single host stream is synchronous,
-// so an event is complete as soon as it is recorded.
+// Note [Emulated streams]
+// Emulated, kernels run synchronously on the calling thread, so every stream is always idle.
+// Streams still have identities (0 is the default stream, getNewStream hands out 1..31 in
+// turn, as CUDA's pool does) and a per-thread current stream, so code written for CUDA streams
+// (FSDP2, record_stream) runs unchanged. An event is the host time at record() plus the stream
+// it was recorded on; it is complete unless that stream is *held* (hold_emulated_stream), which
+// lets tests show that memory used by a still-running stream is not reused.
+constexpr c10::StreamId kPoolSize = 32;
+
 struct HostEvent {
   std::chrono::steady_clock::time_point when;
+  c10::StreamId stream = 0;
+  c10::DeviceIndex device = 0;
 };
 
-Stream host_stream(Device d) {
-  return Stream(Stream::DEFAULT, Device(DeviceType::PrivateUse1, resolve_device(d.index())));
+std::mutex held_mutex;
+std::set<std::pair<c10::DeviceIndex, c10::StreamId>> held_streams;
+
+bool is_held(c10::DeviceIndex device, c10::StreamId id) {
+  std::lock_guard<std::mutex> g(held_mutex);
+  return held_streams.count({device, id}) > 0;
+}
+
+thread_local std::array<c10::StreamId, 64> tls_current_stream{};
+
+Stream host_stream(Device d, c10::StreamId id = 0) {
+  return Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, resolve_device(d.index())), id);
 }
 
 }  // namespace
@@ -66,7 +91,8 @@ void SuperchipGuardImpl::uncheckedSetDevice(Device d) const noexcept {
 
 Stream SuperchipGuardImpl::getStream(Device d) const {
   if (on_cuda()) return from_executor_stream(cuda_guard()->getStream(to_cuda(d)));
-  return host_stream(d);
+  const c10::DeviceIndex i = resolve_device(d.index());
+  return host_stream(d, tls_current_stream[i]);
 }
 
 Stream SuperchipGuardImpl::getDefaultStream(Device d) const {
@@ -76,17 +102,21 @@ Stream SuperchipGuardImpl::getDefaultStream(Device d) const {
 
 Stream SuperchipGuardImpl::getStreamFromGlobalPool(Device d, bool high_priority) const {
   if (on_cuda()) return from_executor_stream(cuda_guard()->getStreamFromGlobalPool(to_cuda(d), high_priority));
-  return host_stream(d);
+  return getNewStream(d, high_priority ? -1 : 0);
 }
 
 Stream SuperchipGuardImpl::getNewStream(Device d, int priority) const {
   if (on_cuda()) return from_executor_stream(cuda_guard()->getNewStream(to_cuda(d), priority));
-  return host_stream(d);
+  static std::atomic<c10::StreamId> next{0};
+  return host_stream(d, 1 + next.fetch_add(1) % (kPoolSize - 1));
 }
 
 Stream SuperchipGuardImpl::exchangeStream(Stream s) const {
   if (on_cuda()) return from_executor_stream(cuda_guard()->exchangeStream(to_executor_stream(s)));
-  return host_stream(s.device());
+  const c10::DeviceIndex i = resolve_device(s.device_index());
+  const Stream old = host_stream(s.device(), tls_current_stream[i]);
+  tls_current_stream[i] = s.id();
+  return old;
 }
 
 c10::DeviceIndex SuperchipGuardImpl::deviceCount() const noexcept { return device_count(); }
@@ -98,7 +128,10 @@ void SuperchipGuardImpl::record(void** event, const Stream& stream, c10::DeviceI
     return;
   }
   if (*event == nullptr) *event = new HostEvent{};
-  static_cast<HostEvent*>(*event)->when = std::chrono::steady_clock::now();
+  auto* e = static_cast<HostEvent*>(*event);
+  e->when = std::chrono::steady_clock::now();
+  e->stream = stream.id();
+  e->device = stream.device_index();
 }
 
 void SuperchipGuardImpl::block(void* event, const Stream& stream) const {
@@ -107,7 +140,9 @@ void SuperchipGuardImpl::block(void* event, const Stream& stream) const {
 
 bool SuperchipGuardImpl::queryEvent(void* event) const {
   if (on_cuda()) return cuda_guard()->queryEvent(event);
-  return true;
+  if (event == nullptr) return true;
+  const auto* e = static_cast<const HostEvent*>(event);
+  return !is_held(e->device, e->stream);
 }
 
 void SuperchipGuardImpl::destroyEvent(void* event, c10::DeviceIndex device_index) const noexcept {
@@ -125,7 +160,7 @@ void SuperchipGuardImpl::destroyEvent(void* event, c10::DeviceIndex device_index
 
 bool SuperchipGuardImpl::queryStream(const Stream& stream) const {
   if (on_cuda()) return cuda_guard()->queryStream(to_executor_stream(stream));
-  return true;
+  return !is_held(stream.device_index(), stream.id());
 }
 
 void SuperchipGuardImpl::synchronizeStream(const Stream& stream) const {
@@ -141,8 +176,7 @@ void SuperchipGuardImpl::synchronizeDevice(c10::DeviceIndex device_index) const 
 }
 
 void SuperchipGuardImpl::recordDataPtrOnStream(const c10::DataPtr& data_ptr, const Stream& stream) const {
-  (void)data_ptr;
-  (void)stream;  // the superchip allocator reuses memory on the stream that freed it
+  superchip_allocator().recordStream(data_ptr, stream);
 }
 
 double SuperchipGuardImpl::elapsedTime(void* start, void* end, c10::DeviceIndex device_index) const {
@@ -150,6 +184,16 @@ double SuperchipGuardImpl::elapsedTime(void* start, void* end, c10::DeviceIndex 
   TORCH_CHECK(start && end, "elapsed_time: both events must have been recorded first.");
   const auto dt = static_cast<HostEvent*>(end)->when - static_cast<HostEvent*>(start)->when;
   return std::chrono::duration<double, std::milli>(dt).count();
+}
+
+}  // namespace superchip
+
+namespace superchip {
+
+void hold_emulated_stream(c10::DeviceIndex device, c10::StreamId id, bool hold) {
+  std::lock_guard<std::mutex> g(held_mutex);
+  if (hold) held_streams.insert({device, id});
+  else held_streams.erase({device, id});
 }
 
 }  // namespace superchip

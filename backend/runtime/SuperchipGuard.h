@@ -1,6 +1,6 @@
 // SuperchipGuardImpl: device guard of the superchip device type. With the CUDA executor it
 // forwards devices, streams and events to c10's CUDA guard and re-tags them as superchip;
-// emulated, there is one host stream per device and events are host timestamps.
+// emulated, kernels run synchronously and streams are identities (Note [Emulated streams]).
 // Keeps the c10 contract: deviceCount() and the noexcept methods never throw.
 #pragma once
 
@@ -38,5 +38,9 @@ struct SuperchipGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 // A superchip stream <-> the executor's stream with the same id (CUDA executor only).
 c10::Stream to_executor_stream(const c10::Stream& s);
 c10::Stream from_executor_stream(const c10::Stream& s);
+
+// Emulated executor only: while held, events recorded on stream `id` of `device` and the
+// stream itself report "still running" (tests of stream-ordered memory reuse).
+void hold_emulated_stream(c10::DeviceIndex device, c10::StreamId id, bool hold);
 
 }  // namespace superchip

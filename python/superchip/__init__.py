@@ -46,6 +46,7 @@ _atexit.register(_time.sleep, 0.02)
 _atexit.register(_C._engine_synchronize)
 from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
+from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 
 __all__ = [
     "memory_stats",

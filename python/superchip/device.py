@@ -161,3 +161,87 @@ def __getattr__(name: str):
         _inductor.register()
         return codegen.Scheduling
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- streams and events (what DeviceMesh, FSDP2 and DDP ask of a device module) ----
+
+
+def is_initialized() -> bool:
+    """Whether the runtime is set up; it is as soon as ``superchip`` is imported."""
+    return True
+
+
+def _device_of(device) -> torch.device:
+    idx = _index(device)
+    return torch.device("superchip", current_device() if idx < 0 else idx)
+
+
+class Stream(torch.Stream):
+    """A superchip stream, as ``torch.cuda.Stream``: ``Stream(device=None, priority=0)``.
+
+    With the CUDA executor it is a CUDA stream of the same index; emulated, kernels run
+    synchronously and a stream is an identity (so ``wait_stream``, events and
+    ``record_stream`` keep their meaning).
+    """
+
+    def __new__(cls, device=None, priority=0, **kwargs):
+        if "stream_id" in kwargs:  # re-wrapping an existing stream
+            return super().__new__(cls, **kwargs)
+        return super().__new__(cls, device=_device_of(device), priority=priority)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+class Event:
+    """A superchip event, as ``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``.
+
+    Returns a plain ``torch.Event`` of the superchip device: torch's event methods
+    (``elapsed_time``) accept only that exact type, not a subclass.
+    """
+
+    def __new__(cls, enable_timing=False, blocking=False, interprocess=False, device=None):
+        return torch.Event(device=_device_of(device), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
+
+
+def _wrap(s: torch.Stream) -> Stream:
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+def current_stream(device=None) -> Stream:
+    return _wrap(torch.accelerator.current_stream(_device_of(device)))
+
+
+def default_stream(device=None) -> Stream:
+    d = _device_of(device)
+    return Stream(stream_id=0, device_index=d.index,
+                  device_type=torch.accelerator.current_stream(d).device_type)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    if stream is not None:
+        torch.accelerator.set_stream(stream)
+
+
+class StreamContext:
+    """``with torch.superchip.stream(s):`` makes ``s`` the current stream of its device."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.prev = None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.prev = torch.accelerator.current_stream(self.stream.device)
+            torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.accelerator.set_stream(self.prev)
+        return False
+
+
+def stream(stream) -> StreamContext:
+    return StreamContext(stream)

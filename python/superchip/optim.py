@@ -16,6 +16,7 @@ import torch
 
 from . import _C
 from .engine import Engine, overlap_default
+from . import distributed as _dist  # DTensor (FSDP2) parameters: local shards, sharded state
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -51,6 +52,9 @@ def _reject_unsupported(cls: str, *, differentiable=False, capturable=False, fus
 
 def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None, tier: str = "host") -> torch.Tensor:
     """An fp32 tensor shaped like ``p`` on p's device (``tier`` for superchip), zeros or ``values``."""
+    if _dist.is_dtensor(p):  # FSDP2: this rank's shard, wrapped as a DTensor sharded like p
+        local = None if values is None else _dist.local_values(p, values.detach())
+        return _dist.state_like(p, _state_tensor(p.to_local(), local, tier))
     if p.device.type == "superchip":
         t = _C._fp32_in_tier(p.detach(), tier, False)
         if values is not None:
@@ -276,7 +280,8 @@ class Adam(_FusedOptimizer):
             mx.append(state["max_exp_avg_sq"] if amsgrad else None)
             steps.append(int(state["step"].item()) + step_increment)
         beta1, beta2 = group["betas"]
-        return (list(params), grads, masters, m1, m2, mx, steps, _scalar(group["lr"], "lr"),
+        params, grads, masters, m1, m2, mx = _dist.local_shards(list(params), grads, masters, m1, m2, mx)
+        return (params, grads, masters, m1, m2, mx, steps, _scalar(group["lr"], "lr"),
                 _scalar(beta1, "beta1"), _scalar(beta2, "beta2"), float(group["eps"]),
                 float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
                 bool(amsgrad), bool(group["maximize"]))
@@ -389,7 +394,8 @@ class SGD(_FusedOptimizer):
             else:
                 buffers.append(None)
                 first.append(False)
-        return (list(params), grads, masters, buffers, first, _scalar(group["lr"], "lr"),
+        params, grads, masters, buffers = _dist.local_shards(list(params), grads, masters, buffers)
+        return (params, grads, masters, buffers, first, _scalar(group["lr"], "lr"),
                 momentum, float(group["dampening"]), float(group["weight_decay"]),
                 bool(group["nesterov"]), bool(group["maximize"]))
 

@@ -1,0 +1,369 @@
+"""torch.distributed on superchip tensors: the ``sccl`` backend and what builds on it.
+
+Importing ``superchip`` registers the c10d backend ``sccl`` for the ``superchip`` device (and
+cpu), so that::
+
+    dist.init_process_group()                           # cpu:gloo,superchip:sccl
+    dist.init_process_group("cpu:gloo,superchip:sccl")  # the same, spelled out
+    dist.init_process_group("sccl")                     # sccl serves cpu tensors too
+
+give groups on which every collective, DDP, FSDP2 (``fully_shard`` over a ``superchip``
+DeviceMesh), DTensor and the functional collectives run on superchip tensors. ``sccl`` owns
+no transport: it aliases superchip tensors as executor tensors and hands them to an inner
+group that torch builds (Gloo with the CPU executor, NCCL with the CUDA executor; see
+backend/distributed/ProcessGroupSccl.h).
+
+Also here: ``ulysses_attention`` (sequence parallelism by all-to-all), and the helpers that
+let ``superchip.optim`` step FSDP2's sharded (DTensor) parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["BACKEND", "DEFAULT_BACKEND", "is_sccl_group", "inner_group_backend", "ulysses_attention",
+           "local_shard", "state_like", "host_tier_bytes"]
+
+BACKEND = "sccl"
+DEFAULT_BACKEND = "cpu:gloo,superchip:sccl"
+
+
+# ---- the sccl backend ----
+
+def _create_sccl(dist_opts, backend_options):
+    """c10d creator (extended API): builds the inner group, then the sccl backend around it."""
+    from torch.distributed import PrefixStore
+
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    store = PrefixStore("sccl/", dist_opts.store)
+    if _C._executor() == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.global_ranks_in_group = list(dist_opts.global_ranks_in_group)
+        opts.group_name = dist_opts.group_id
+        inner = ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        if not dist.is_gloo_available():
+            raise RuntimeError(
+                "superchip: the sccl backend needs Gloo with the CPU executor, and this torch "
+                "build has no Gloo. Install a torch build with distributed support."
+            )
+        inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # Gloo's split maps group ranks to global ranks through this list; torch leaves it
+        # empty for the default group, which only Gloo's first group in a process tolerates.
+        inner.options.global_ranks_in_group = list(dist_opts.global_ranks_in_group) or list(range(size))
+        inner.options.group_name = dist_opts.group_id
+    _install_rng_tracker()
+    return _C._create_sccl_backend(inner, rank, size, timeout.total_seconds(), _inner_split_options)
+
+
+def _inner_split_options(inner, group_name: str, group_desc: str, timeout_s: float):
+    """Options for splitting sccl's inner group (called by ProcessGroupSccl::split).
+
+    A fresh object of the inner group's own type: the inner split writes into it (ranks,
+    split source), so it must never be the parent's. NCCL's options are deep-copied from the
+    parent (as torch's split_group does); Gloo's cannot be copied and are built anew as
+    torch builds them for a new Gloo group (default device, default threads).
+    """
+    if inner.name() == "nccl":
+        import copy
+
+        opts = copy.deepcopy(inner.options)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts.group_name = group_name
+    return opts
+
+
+# ---- DTensor random ops: Note [DTensor RNG on superchip] ----
+# torch's OffsetBasedRNGTracker gives each shard of a DTensor its own part of one random
+# stream by moving the *offset* of a Philox generator state (16 bytes: seed, offset). With the
+# CUDA executor superchip's generator is CUDA's Philox one and that tracker works unchanged.
+# Emulated, superchip's generator is the CPU's Mersenne Twister (so superchip reproduces the
+# CPU's random stream bit for bit, which the test suite relies on); it has no offset to move,
+# and OffsetBasedRNGTracker would write into the middle of its 5056-byte state. So superchip
+# registers its own tracker (torch's extension point, random._rng_tracker) for the emulated
+# executor: per random op, every rank draws one 64-bit value from the shared stream (all
+# ranks advance identically), and the op runs on a stream seeded from that value and the
+# shard's linear index. Shards are deterministic under torch.manual_seed, distinct between
+# shards, identical between ranks that hold the same shard (replicated mesh dimensions).
+
+def _make_rng_tracker():
+    import contextlib
+
+    from torch.distributed.tensor import _random as dt_random
+
+    class SuperchipRNGTracker(dt_random._RNGStateTracker):
+        """Per-shard seeds derived from the shared superchip stream (emulated executor)."""
+
+        def __init__(self):
+            super().__init__(torch.device("superchip", torch.superchip.current_device()))
+            self._synced = False
+
+        def _sync(self) -> None:
+            # As OffsetBasedRNGTracker(run_state_sync=True), at the first DTensor random op:
+            # every rank takes global rank 0's state (broadcast over the default group).
+            if self._synced or not dist.is_initialized():
+                return
+            self._synced = True
+            state = torch.superchip.get_rng_state().to(self._device)
+            dist.broadcast(state, 0)
+            torch.superchip.set_rng_state(state.cpu())
+
+        @contextlib.contextmanager
+        def _distribute_region(self, spec, generator=None):
+            if spec.mesh.device_type != "superchip" or not self.distribute_region_enabled:
+                yield
+                return
+            self._sync()
+            gen = generator if generator is not None else torch.superchip._generator(self._device)
+            draw = torch.empty((), dtype=torch.int64, device=self._device)
+            base = int(draw.random_(generator=gen).item())
+            after = gen.get_state()
+            coord = spec.mesh.get_coordinate() or [0] * spec.mesh.ndim
+            shard = 0
+            for d, placement in enumerate(spec.placements):
+                if placement.is_shard():
+                    shard = shard * spec.mesh.size(d) + coord[d]
+            gen.manual_seed((base ^ ((shard + 1) * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1))
+            try:
+                yield
+            finally:
+                gen.set_state(after)
+
+    return SuperchipRNGTracker()
+
+
+def _install_rng_tracker() -> None:
+    if _C._executor() != "cpu":
+        return  # CUDA's Philox generator: torch's OffsetBasedRNGTracker applies as is
+    from torch.distributed.tensor import _random as dt_random
+
+    if dt_random._rng_tracker is None or isinstance(dt_random._rng_tracker, dt_random.OffsetBasedRNGTracker):
+        dt_random._rng_tracker = _make_rng_tracker()
+
+
+def _default_to_sccl(init):
+    """Wraps BackendConfig.__init__: no backend named + superchip accelerator -> cpu:gloo,superchip:sccl.
+
+    torch maps an unnamed backend to the accelerator's backend alone, which would leave CPU
+    tensors (barrier, object collectives, DCP metadata) without a backend.
+    """
+
+    def __init__(self, backend):
+        if str(backend) == dist.Backend.UNDEFINED and torch._C._get_accelerator().type == "superchip":
+            backend = DEFAULT_BACKEND
+        init(self, backend)
+
+    __init__._superchip_wrapped = True
+    return __init__
+
+
+def _register() -> None:
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    if "SCCL" not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create_sccl, extended_api=True,
+                                      devices=["superchip", "cpu"])
+        # torch (2.13) picks a multi-device group's default backend by testing whether the
+        # *first* plugin key is among the group's backend names; keys are upper case and names
+        # lower case, so "cpu:gloo,superchip:sccl" would get no default backend (and warn on
+        # every hook check). A lower-case alias first makes that test see "sccl".
+        dist.Backend._plugins = {BACKEND: dist.Backend._plugins["SCCL"], **dist.Backend._plugins}
+    if not getattr(c10d.BackendConfig.__init__, "_superchip_wrapped", False):
+        c10d.BackendConfig.__init__ = _default_to_sccl(c10d.BackendConfig.__init__)
+
+
+def is_sccl_group(group=None) -> bool:
+    """Whether ``group`` (default: the world) serves superchip tensors with sccl."""
+    group = group or dist.group.WORLD
+    try:
+        return group._get_backend(torch.device("superchip")).name() == BACKEND
+    except RuntimeError:
+        return False
+
+
+def inner_group_backend(group=None) -> str:
+    """Name of the transport under sccl in ``group``: ``"gloo"`` or ``"nccl"``."""
+    group = group or dist.group.WORLD
+    return _C._sccl_inner(group._get_backend(torch.device("superchip"))).name()
+
+
+# ---- Ulysses sequence parallelism ----
+# Each of P ranks holds a slice of the sequence, [s_r, H, D]. One all-to-all trades the
+# sequence split for a head split, [S, h_r, D] (S = sum s_r, h_r = this rank's heads), so the
+# attention function sees whole sequences for its heads; a second all-to-all trades back.
+# The two exchanges are each other's inverse, which is also each one's backward. Uneven
+# splits: heads are dealt as evenly as possible (the first H % P ranks get one more);
+# sequence slices may differ in length between ranks.
+
+def _even_splits(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _exchange(x: torch.Tensor, send_dim: int, send_splits: list[int], recv_dim: int,
+              recv_splits: list[int], group) -> torch.Tensor:
+    """All-to-all that splits ``x`` along ``send_dim`` (piece j to rank j) and concatenates the
+    pieces received along ``recv_dim``; every other dimension is kept."""
+    rank = dist.get_rank(group)
+    pieces = [c.contiguous() for c in x.split(send_splits, dim=send_dim)]
+    send = torch.cat([c.reshape(-1) for c in pieces]) if pieces else x.new_empty(0)
+    shapes = []
+    for j in range(len(recv_splits)):
+        shape = list(x.shape)
+        shape[send_dim] = send_splits[rank]
+        shape[recv_dim] = recv_splits[j]
+        shapes.append(shape)
+    recv_numel = [int(torch.Size(sh).numel()) for sh in shapes]
+    recv = x.new_empty(sum(recv_numel))
+    dist.all_to_all_single(recv, send, recv_numel, [c.numel() for c in pieces], group=group)
+    parts = [r.view(sh) for r, sh in zip(recv.split(recv_numel), shapes)]
+    return torch.cat(parts, dim=recv_dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[s_r, H, ...] -> [S, h_r, ...]; backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, seq_splits, head_splits, group):
+        ctx.args = (seq_splits, head_splits, group)
+        return _exchange(x, 1, head_splits, 0, seq_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        seq_splits, head_splits, group = ctx.args
+        return _exchange(grad.contiguous(), 0, seq_splits, 1, head_splits, group), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """[S, h_r, ...] -> [s_r, H, ...]; backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, y, seq_splits, head_splits, group):
+        ctx.args = (seq_splits, head_splits, group)
+        return _exchange(y, 0, seq_splits, 1, head_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        seq_splits, head_splits, group = ctx.args
+        return _exchange(grad.contiguous(), 1, head_splits, 0, seq_splits, group), None, None, None
+
+
+def ulysses_attention(attn_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args,
+                      group=None, seq_lens: list[int] | None = None, **kwargs) -> torch.Tensor:
+    """Ulysses sequence-parallel attention around any attention function.
+
+    ``q``, ``k``, ``v``: this rank's slice of the sequence, ``[s_r, H, D]`` (``v`` may have
+    another last dimension). ``attn_fn(q, k, v, *args, **kwargs)`` is called with whole
+    sequences for this rank's heads, ``[S, h_r, D]``, and must return ``[S, h_r, D_v]``; the
+    result is this rank's sequence slice of the output, ``[s_r, H, D_v]``. Differentiable:
+    forward and backward equal attention on the full sequence in one process. ``H`` need not
+    divide by the group size (ranks get ``H // P`` or ``H // P + 1`` heads). ``seq_lens``:
+    every rank's ``s_r`` when they differ (default: gathered, one small all-gather).
+    """
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 3:
+            raise ValueError(f"ulysses_attention: {name} must be [seq, heads, dim], got shape {tuple(t.shape)}")
+    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"ulysses_attention: q, k, v must share [seq, heads]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    heads = q.shape[1]
+    if heads < world:
+        raise ValueError(
+            f"ulysses_attention: {heads} heads cannot be split over {world} ranks; use at most "
+            f"as many ranks as heads (or a smaller group)."
+        )
+    if seq_lens is None:
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(lens, torch.tensor([q.shape[0]], dtype=torch.int64), group=group)
+        seq_lens = [int(t.item()) for t in lens]
+    if len(seq_lens) != world or seq_lens[dist.get_rank(group)] != q.shape[0]:
+        raise ValueError(
+            f"ulysses_attention: seq_lens {seq_lens} does not match {world} ranks with this "
+            f"rank's {q.shape[0]} positions"
+        )
+    head_splits = _even_splits(heads, world)
+    qh, kh, vh = (_SeqToHeads.apply(t, seq_lens, head_splits, group) for t in (q, k, v))
+    out = attn_fn(qh, kh, vh, *args, **kwargs)
+    return _HeadsToSeq.apply(out, seq_lens, head_splits, group)
+
+
+# ---- sharded (DTensor) parameters for superchip.optim ----
+
+def is_dtensor(t) -> bool:
+    if not dist.is_available():  # a torch build without distributed has no DTensor
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_shard(t):
+    """The rank-local tensor of a DTensor (FSDP2 parameter, gradient or optimizer state).
+
+    The local tensor shares the DTensor's bytes, so the fused kernels write through to it.
+    Plain tensors and None pass through.
+    """
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_shards(*lists):
+    """``local_shard`` over each element of each list (the operand lists of a fused step)."""
+    return tuple([local_shard(t) for t in lst] for lst in lists)
+
+
+def local_values(param, values: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``values`` for DTensor ``param``: the local shard of a DTensor, or
+    the slice of a full (unsharded) tensor that this rank holds. No communication."""
+    if is_dtensor(values):
+        return values.to_local()
+    if tuple(values.shape) == tuple(param.to_local().shape) and param.shape != values.shape:
+        return values
+    if tuple(values.shape) != tuple(param.shape):
+        raise ValueError(
+            f"superchip.optim: state of shape {tuple(values.shape)} for a sharded parameter of "
+            f"global shape {tuple(param.shape)} (local {tuple(param.to_local().shape)}); pass the "
+            f"full tensor or a DTensor sharded like the parameter."
+        )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return values[index]
+
+
+def state_like(param, local_state: torch.Tensor):
+    """Wraps a rank-local optimizer state as a DTensor sharded like ``param``, so that
+    ``state_dict()`` and torch.distributed.checkpoint see the global tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_state, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def host_tier_bytes(device=None) -> int:
+    """Bytes this rank holds in the ``host`` tier (optimizer state, offloaded tensors)."""
+    from . import memory_stats
+
+    return int(memory_stats(device)["host.allocated_bytes"])
+
+
+_register()

@@ -1,0 +1,147 @@
+"""torch.distributed on superchip: the sccl backend, DDP, FSDP2, superchip.optim on shards,
+DCP, DTensor random init and Ulysses attention, each in two processes (dist_checks.py) and
+compared with the same work on CPU tensors (Gloo) in the same process group; plus the
+single-process parts of the device module that DeviceMesh/FSDP2 use (streams, events,
+record_stream).
+
+Two launches of two processes hold every multi-process check, to keep CI time low; each
+check is its own pytest case that reads the launch's results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import superchip
+
+from dist_checks import GROUPS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD = 2
+
+
+def launch(group: str, tmp_path_factory) -> dict:
+    """Runs every check of `group` on WORLD ranks; returns {check: [result per rank]}."""
+    root = tmp_path_factory.mktemp(f"dist_{group}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs, files = [], []
+    for rank in range(WORLD):
+        out = root / f"result{rank}.json"
+        files.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "dist_checks.py"), str(rank), str(WORLD), str(root),
+             str(out), group], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0])
+            pytest.fail(f"{group}: ranks timed out (a collective hung); output:\n" + "\n".join(logs)[-4000:])
+    results = {}
+    for rank, f in enumerate(files):
+        got = json.loads(f.read_text()) if f.exists() else {}
+        for name in GROUPS[group]:
+            results.setdefault(name, []).append(
+                got.get(name, f"rank {rank} did not run it (exit {procs[rank].returncode}):\n{logs[rank][-3000:]}"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    return launch("collectives", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    return launch("training", tmp_path_factory)
+
+
+def assert_ok(results: dict, name: str) -> None:
+    failed = [f"rank {r}:\n{msg}" for r, msg in enumerate(results[name]) if msg != "ok"]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("name", GROUPS["collectives"])
+def test_collective(collectives, name):
+    assert_ok(collectives, name)
+
+
+@pytest.mark.parametrize("name", GROUPS["training"])
+def test_training(training, name):
+    assert_ok(training, name)
+
+
+# ---- single process ----
+
+def test_backend_registered():
+    assert "sccl" in dist.Backend.backend_list
+    assert dist.Backend.default_device_backend_map["superchip"] == "sccl"
+    assert dist.get_default_backend_for_device("superchip") == "sccl"
+    assert set(dist.Backend.backend_capability["sccl"]) == {"superchip", "cpu"}
+
+
+def test_device_module_for_fsdp():
+    sc = torch.superchip
+    assert sc.is_initialized() and sc.is_available()
+    s = sc.Stream()
+    assert isinstance(s, torch.Stream) and s.device.type == "superchip"
+    assert s != sc.default_stream()
+    with sc.stream(s):
+        assert sc.current_stream() == s
+    assert sc.current_stream() == sc.default_stream()
+    e = sc.Event()
+    e.record(s)
+    s.wait_event(e)
+    sc.current_stream().wait_stream(s)
+    assert e.query() and s.query()
+    e.synchronize()
+    timed = [sc.Event(enable_timing=True) for _ in range(2)]
+    timed[0].record()
+    timed[1].record()
+    assert timed[0].elapsed_time(timed[1]) >= 0
+
+
+def test_record_stream_defers_reuse(clean_memory):
+    sc = torch.superchip
+    side = sc.Stream()
+    t = torch.ones(4096, device="superchip")
+    t.record_stream(side)
+    ptr = t.untyped_storage().data_ptr()
+    superchip._C._hold_emulated_stream(0, side.stream_id, True)  # the side stream "still runs"
+    try:
+        del t
+        assert superchip._C._pending_stream_frees() == 1
+        others = [torch.empty(4096, device="superchip") for _ in range(4)]
+        assert all(o.untyped_storage().data_ptr() != ptr for o in others)
+        assert superchip.memory_stats()["hbm.active_allocations"] >= 5
+    finally:
+        superchip._C._hold_emulated_stream(0, side.stream_id, False)
+    again = torch.empty(4096, device="superchip")  # the next allocation retires the block
+    assert superchip._C._pending_stream_frees() == 0
+    del others, again
+    with pytest.raises(RuntimeError, match="superchip stream"):
+        torch.ones(2, device="superchip").record_stream(torch.Stream(device="cpu"))
+
+
+def test_sccl_rejects_foreign_tensor_error_text():
+    # The creator's own error path: a group world of one, a meta tensor is neither cpu nor superchip.
+    import datetime
+
+    store = dist.HashStore()
+    inner = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+    backend = superchip._C._create_sccl_backend(inner, 0, 1, 10.0)
+    t = torch.ones(3, device="superchip")
+    backend.allreduce([t]).wait()
+    assert torch.equal(t.cpu(), torch.ones(3))
+    with pytest.raises(RuntimeError, match="serves superchip and cpu tensors"):
+        backend.allreduce([torch.ones(3, device="meta")])
