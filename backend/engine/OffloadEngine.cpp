@@ -89,15 +89,7 @@ uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHo
   {
     std::lock_guard<std::mutex> lock(mu_);
     ticket = submit_locked(std::move(job));
-    for (const auto& s : hold->storages) {
-      auto it = pending_.find(s.get());
-      if (it == pending_.end() || it->second.hold.get() != hold) continue;
-      it->second.hold.reset();
-      if (it->second.jobs == 0) {
-        pending_.erase(it);
-        active_.fetch_sub(1, std::memory_order_relaxed);
-      }
-    }
+    drop_hold_locked(hold);
   }
   work_cv_.notify_one();
   return ticket;
@@ -210,12 +202,9 @@ void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
       job.touched = h->storages;
       job.run = [h] { h->rollback(); };
       wrap(job);
-      for (const auto& st : h->storages) {
-        auto e = pending_.find(st.get());
-        if (e != pending_.end() && e->second.hold == h) e->second.hold.reset();
-      }
       stats_[h->owner()].rollbacks_on_read += 1;
       submit_locked(std::move(job));
+      drop_hold_locked(h.get());
       work_cv_.notify_one();
     }
     RECORD_FUNCTION("superchip::wait", std::vector<c10::IValue>());
@@ -240,8 +229,8 @@ void OffloadEngine::hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> stora
   hold->storages = std::move(storages);
 }
 
-void OffloadEngine::release_hold(const SpeculationHold* hold) {
-  std::lock_guard<std::mutex> lock(mu_);
+// Under mu_: the hold's storages stop being speculative; an entry no job uses any more goes.
+void OffloadEngine::drop_hold_locked(const SpeculationHold* hold) {
   for (const auto& s : hold->storages) {
     auto it = pending_.find(s.get());
     if (it == pending_.end() || it->second.hold.get() != hold) continue;
@@ -251,7 +240,6 @@ void OffloadEngine::release_hold(const SpeculationHold* hold) {
       active_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
-  done_cv_.notify_all();
 }
 
 OwnerStats OffloadEngine::stats(int64_t owner) {

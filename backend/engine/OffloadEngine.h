@@ -68,14 +68,13 @@ class OffloadEngine {
   void synchronize();
   // Called for every operand of an operator: returns at once when nothing is pending.
   void wait_for_storage(const c10::StorageImpl* s);
-  // Marks `storages` speculative until release_hold(); a reader triggers hold->rollback().
+  // Marks `storages` speculative until submit_replacing_hold() ends the hold; a reader first
+  // triggers hold->rollback().
   void hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages,
             std::shared_ptr<SpeculationHold> hold);
   // Queues `job` and ends `hold` in one step, so no reader falls between the two (the job,
   // which must touch the hold's storages, then decides: validate, or roll back).
   uint64_t submit_replacing_hold(EngineJob job, const SpeculationHold* hold);
-  // Ends the hold (commit or explicit rollback): readers no longer trigger it.
-  void release_hold(const SpeculationHold* hold);
   OwnerStats stats(int64_t owner);
   void add_exposed(int64_t owner, double seconds);
   // Releases finished jobs' tensors; call from a thread that may take the GIL.
@@ -87,6 +86,7 @@ class OffloadEngine {
   ~OffloadEngine();
   void worker_loop();
   uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped
+  void drop_hold_locked(const SpeculationHold* hold);
   static void wrap(EngineJob& job);
   void finish(EngineJob& job, double seconds);
 

@@ -86,7 +86,6 @@ class Engine:
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
                            undo_bytes=0, undo_elements=0, undo_exceptions=0)
         self.inline_seconds = 0.0
-        self.sync_seconds = 0.0
         self.hooks = []
         if overlap:
             for group in opt.param_groups:
@@ -258,9 +257,7 @@ class Engine:
         self._end_step(stepped=False)
 
     def synchronize(self) -> None:
-        t0 = time.perf_counter()
         _C._engine_synchronize()
-        self.sync_seconds += time.perf_counter() - t0
 
     def stats(self) -> dict:
         self.synchronize()
