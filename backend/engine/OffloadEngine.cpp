@@ -15,6 +15,18 @@
 // costs one relaxed atomic load. The worker itself never waits (its jobs touch the storages
 // they are pending on).
 //
+// Note [Engine and the GIL]
+// Since torch 2.10, a tensor or storage with a Python object keeps that object alive while C++
+// holds a reference too: a C++ reference count going 1 -> 2 or 2 -> 1 calls into Python and
+// takes the GIL. The training thread holds the GIL while it runs an operator, so while it
+// waits (wait_for_storage from that operator, or for mu_), the worker must never need the
+// GIL, and no thread may need it while holding mu_. So: nothing that holds tensors is
+// destroyed on the worker or under mu_. Finished jobs and ended holds are parked in
+// finished_ / ended_holds_ and released by release_finished() on a caller's thread, after mu_
+// is unlocked; job bodies keep every tensor they replace in the job's `keep`. (Breaking this
+// rule deadlocks: the first runs that did, stalled, with the worker in decref_pyobject
+// waiting for the GIL and the training thread waiting for mu_ in submit().)
+//
 // Jobs run under the ThreadLocalState of the thread that submitted them, so the profiler's
 // callbacks follow them onto the worker and their `superchip::...` ranges show up in traces.
 
@@ -135,7 +147,7 @@ void OffloadEngine::finish(EngineJob& job, double seconds) {
       active_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
-  job.run = nullptr;
+  // The closure (and `touched`, `keep`) go whole to finished_: Note [Engine and the GIL].
   finished_.push_back(std::move(job));
   has_finished_.store(true, std::memory_order_release);
 }
@@ -143,12 +155,14 @@ void OffloadEngine::finish(EngineJob& job, double seconds) {
 void OffloadEngine::release_finished() {
   if (t_on_worker || !has_finished_.load(std::memory_order_acquire)) return;
   std::vector<EngineJob> done;
+  std::vector<std::shared_ptr<SpeculationHold>> holds;
   {
     std::lock_guard<std::mutex> lock(mu_);
     done.swap(finished_);
+    holds.swap(ended_holds_);
     has_finished_.store(false, std::memory_order_release);
   }
-  // `done` drops the tensors here, on the caller's thread.
+  // `done` and `holds` drop their tensors here, on the caller's thread, with no lock held.
 }
 
 void OffloadEngine::wait(uint64_t ticket, int64_t owner) {
@@ -234,7 +248,9 @@ void OffloadEngine::drop_hold_locked(const SpeculationHold* hold) {
   for (const auto& s : hold->storages) {
     auto it = pending_.find(s.get());
     if (it == pending_.end() || it->second.hold.get() != hold) continue;
-    it->second.hold.reset();
+    // Possibly the last reference: released later, outside the lock (Note [Engine and the GIL]).
+    ended_holds_.push_back(std::move(it->second.hold));
+    has_finished_.store(true, std::memory_order_release);
     if (it->second.jobs == 0) {
       pending_.erase(it);
       active_.fetch_sub(1, std::memory_order_relaxed);

@@ -8,8 +8,13 @@
 //  - A speculation hold marks storages whose visible bytes are speculative (a step that has
 //    not been validated yet). Touching a held storage first runs the hold's rollback, then
 //    proceeds: the reader sees the values of the plain, unstepped run.
-//  - Jobs never release tensors on the worker (that may need the GIL); finished jobs are
-//    released by the next submit/wait/synchronize on a caller's thread.
+//  - No tensor, storage or hold is ever released on the worker or under the engine's lock: since
+//    torch 2.10 a C++ reference count moving between 1 and 2 on a tensor or storage that has a
+//    Python object takes the GIL, and a thread that holds the GIL may be waiting on the worker
+//    or on the lock (Note [Engine and the GIL]). A job's closure, `touched` and `keep`, and a
+//    hold that ends, are released by the next submit/wait/synchronize on a caller's thread.
+//    A job body that replaces a tensor it was given (a snapshot replacing a gradient) keeps
+//    the original in the job's `keep`.
 //  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize.
 // Thread-safety: every member may be called from any thread except the worker itself.
 #pragma once
@@ -101,6 +106,7 @@ class OffloadEngine {
   std::condition_variable done_cv_;
   std::deque<std::pair<uint64_t, EngineJob>> queue_;
   std::vector<EngineJob> finished_;
+  std::vector<std::shared_ptr<SpeculationHold>> ended_holds_;  // released with finished_
   std::unordered_map<const c10::StorageImpl*, Entry> pending_;
   std::unordered_map<int64_t, OwnerStats> stats_;
   std::exception_ptr error_;

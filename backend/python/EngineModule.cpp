@@ -113,6 +113,7 @@ void bind_engine(py::module& m) {
     for (const AdamPart& p : spec->parts()) {
       for (const at::Tensor& g : p.group.grads) {
         copy.touched.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(g.storage().unsafeGetStorageImpl()));
+        copy.keep.push_back(g);  // snapshot() replaces it on the worker: the job drops it later
       }
     }
     copy.run = [spec] { spec->snapshot(); };

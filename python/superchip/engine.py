@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 
@@ -65,7 +66,10 @@ class Engine:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
         if tail_buckets is not None and int(tail_buckets) < 0:
             raise ValueError(f"tail_buckets must be >= 0, got {tail_buckets}")
-        self.opt = opt
+        # Weak both ways out of the engine: the optimizer owns the engine and the parameters
+        # own the hooks, so `del model, opt` frees their memory at once, with no cycle for
+        # the garbage collector to find later.
+        self._opt = weakref.ref(opt)
         self.owner = id(opt)
         self.overlap = overlap
         self.bucket_bytes_arg = bucket_bytes
@@ -89,9 +93,27 @@ class Engine:
         self.hooks = []
         if overlap:
             for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self.add_hooks(group["params"])
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    def add_hooks(self, params) -> None:
+        ref = weakref.ref(self)
+
+        def on_grad(p):
+            engine = ref()
+            if engine is not None:
+                engine._on_grad(p)
+
+        for p in params:
+            if p.requires_grad:
+                self.hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    def __del__(self):
+        for h in getattr(self, "hooks", ()):
+            h.remove()
 
     # ---- during backward ----
 
@@ -250,9 +272,9 @@ class Engine:
         unstepped = [s for s in self.specs.values() if not s.stepped]
         for s in unstepped:
             _C._engine_rollback(s.spec)
-        if unstepped and skipped:
-            self.counts["skipped_steps"] += 1
         if self.fired and skipped:
+            # A backward() whose step() never came (GradScaler's overflow step, or a user's).
+            self.counts["skipped_steps"] += 1
             self.multi_backward = True  # a backward without its step: the predictor backs off
         self._end_step(stepped=False)
 

@@ -179,9 +179,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         engine = getattr(self, "_engine", None)
         if engine is not None and engine.overlap:
-            for p in self.param_groups[-1]["params"]:
-                if p.requires_grad:
-                    engine.hooks.append(p.register_post_accumulate_grad_hook(engine._on_grad))
+            engine.add_hooks(self.param_groups[-1]["params"])
             engine.buckets = []
 
     def load_state_dict(self, state_dict: dict) -> None:

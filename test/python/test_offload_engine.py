@@ -10,8 +10,6 @@ all run. offload_stats() is asserted to show what happened.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,30 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from model import GPT, GPTConfig  # noqa: E402
 
 VOCAB = 97
-
-# Note [Engine tests without fd capture]
-# With pytest's file-descriptor capture active, a training run with the engine on stalls
-# (no CPU use; the same run passes as a script, with `pytest -s`, and with output on a pipe).
-# Until the cause is found, the outer run executes this file once more in a child pytest
-# with -s and asserts that it passed; every assertion below runs there.
-_INNER = os.environ.get("SUPERCHIP_ENGINE_TESTS_INNER") == "1"
-inner_only = pytest.mark.skipif(not _INNER, reason="runs in the child pytest (Note [Engine tests without fd capture])")
-# The child run also stalled in CI-like conditions (output on a pipe); until the stall is
-# understood the whole file is skipped in the suite. Run it by hand: SUPERCHIP_ENGINE_TESTS_INNER=1
-# python -m pytest -s test/python/test_offload_engine.py
-pytest.skip("offload engine stalls under output capture (Note [Engine tests without fd capture]); "
-            "opt-in engine, tests run by hand", allow_module_level=True)
-
-
-@pytest.mark.skipif(_INNER, reason="outer run only")
-def test_engine_suite_without_fd_capture():
-    env = dict(os.environ, SUPERCHIP_ENGINE_TESTS_INNER="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
-    print(res.stdout[-3000:])
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " failed" not in res.stdout
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu()
@@ -119,7 +93,6 @@ def _sometimes(i, model):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9 if i % 3 else 1e-3)
 
 
-@inner_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clip", [None, 1e9, "sometimes", 1e-3], ids=["noclip", "never", "sometimes", "always"])
 def test_exact_against_plain_step(dtype, clip):
@@ -138,14 +111,12 @@ def test_exact_against_plain_step(dtype, clip):
     assert st["optimizer_seconds"] > 0.0 and st["exposed_seconds"] >= 0.0
 
 
-@inner_only
 def test_accumulation_groups_scheduler_set_to_none_false():
     plain = _train(torch.float32, False, accumulate=2, set_to_none=False, clip=1.0)
     engine = _train(torch.float32, True, accumulate=2, set_to_none=False, clip=1.0)
     _assert_same(plain, engine)
 
 
-@inner_only
 def test_params_read_between_backward_and_step_show_old_values():
     plain = _train(torch.float32, False, read_between=True)
     engine = _train(torch.float32, True, read_between=True)
@@ -153,7 +124,6 @@ def test_params_read_between_backward_and_step_show_old_values():
     assert engine[1].offload_stats()["rolled_back_buckets"] >= 1
 
 
-@inner_only
 def test_backward_without_step_changes_nothing():
     plain = _train(torch.bfloat16, False, orphan_backward_at=3)
     engine = _train(torch.bfloat16, True, orphan_backward_at=3)
@@ -161,7 +131,6 @@ def test_backward_without_step_changes_nothing():
     assert engine[1].offload_stats()["skipped_steps"] == 1
 
 
-@inner_only
 def test_tail_buckets_keep_state_in_hbm():
     plain = _train(torch.float32, False)
     engine = _train(torch.float32, True, tail_buckets=2)
@@ -172,13 +141,11 @@ def test_tail_buckets_keep_state_in_hbm():
     assert tiers == {"hbm", "host"}
 
 
-@inner_only
 def test_sgd_asynchronous_step_is_exact():
     kw = dict(opt_cls="SGD", momentum=0.9, nesterov=True)
     _assert_same(_train(torch.float32, False, **kw), _train(torch.float32, True, **kw))
 
 
-@inner_only
 def test_gradscaler_fp16_with_overflow_steps():
     def run(overlap):
         model, opt = _make(torch.float32, overlap)
@@ -199,11 +166,12 @@ def test_gradscaler_fp16_with_overflow_steps():
         return model, opt, losses, scales
 
     plain, engine = run(False), run(True)
-    assert plain[3] == engine[3] and plain[3][3] < plain[3][2]  # an overflow step was skipped
+    # scales after each update: 2**16, 2**17 (two good steps), 2**16 (step 2 overflowed), ...
+    assert plain[3] == engine[3] and plain[3][2] < plain[3][1]
+    assert engine[1].offload_stats()["skipped_steps"] == 1, engine[1].offload_stats()
     _assert_same(plain[:3] + ([],), engine[:3] + ([],))
 
 
-@inner_only
 def test_checkpoint_resumes_identically_also_into_torch_optim(tmp_path):
     model, opt, _, _ = _train(torch.float32, True, steps=3, clip=1.0)
     path = tmp_path / "ckpt.pt"
@@ -238,7 +206,6 @@ def test_checkpoint_resumes_identically_also_into_torch_optim(tmp_path):
         torch.testing.assert_close(x.view(torch.float32), y.view(torch.float32), rtol=1e-5, atol=1e-6)
 
 
-@inner_only
 def test_overlap_env_and_arguments(monkeypatch):
     p = torch.nn.Parameter(torch.ones(4, device="superchip"))
     monkeypatch.setenv("SUPERCHIP_OVERLAP", "0")
@@ -256,7 +223,6 @@ def test_overlap_env_and_arguments(monkeypatch):
         assert isinstance(st[k], float)
 
 
-@inner_only
 def test_profiler_shows_engine_ranges():
     model, opt = _make(torch.float32, True)
     g = torch.Generator().manual_seed(1)
@@ -275,7 +241,6 @@ def test_profiler_shows_engine_ranges():
     assert {"superchip::bucket_copy", "superchip::speculative_step", "superchip::validate"} <= names
 
 
-@inner_only
 def test_soak_memory_returns_to_start():
     model, opt = _make(torch.float32, True)
     g = torch.Generator().manual_seed(3)
@@ -287,16 +252,43 @@ def test_soak_memory_returns_to_start():
         opt.step()
         opt.zero_grad()
 
+    import gc
+
     for _ in range(5):
         step()
     torch.superchip.synchronize()
+    gc.collect()
     before = superchip.memory_stats()
     for _ in range(300):
         step()
     torch.superchip.synchronize()
-    import gc
     gc.collect()
-    superchip._C._engine_synchronize()
     after = superchip.memory_stats()
     for key in ("hbm.allocated_bytes", "host.allocated_bytes"):
         assert after[key] == before[key], key
+
+
+def test_deleting_model_and_optimizer_frees_memory_at_once():
+    import gc
+
+    def run(steps):
+        model, opt = _make(torch.float32, True)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(steps):
+            logits, loss = model(_batch(g), _batch(g))
+            loss.backward()
+            opt.step()
+        del model, opt, logits, loss
+        torch.superchip.synchronize()
+
+    run(1)  # the first optimizer imports torch._dynamo, whose import frames form cycles
+    gc.collect()
+    gc.disable()  # from here nothing may depend on the cycle collector
+    try:
+        start = superchip.memory_stats()
+        run(3)
+        end = superchip.memory_stats()
+    finally:
+        gc.enable()
+    for key in ("hbm.allocated_bytes", "host.allocated_bytes"):
+        assert end[key] == start[key], key
