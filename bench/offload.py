@@ -9,6 +9,11 @@ configuration: median step time, optimizer time, exposed time (the training thre
 and the fraction of optimizer time hidden = 1 - exposed / optimizer time of the same run;
 the step-time ratio is engine / overlap=False measured in this run.
 
+With --png, one step (forward, backward, clip, step, and the next forward) of the demo GPT is
+profiled with torch.profiler in both modes and drawn as a timeline (matplotlib): the training
+thread's forward/backward/step and its waits for the engine, the engine worker's bucket
+copies, speculative and asynchronous CPU steps, validations and rollbacks.
+
     python bench/offload.py [--steps 12] [--png bench/results/offload-timeline.png]
 """
 
@@ -55,27 +60,37 @@ def llama_model():
     return "HF Llama (random init)", model, cfg.vocab_size, 128, loss_fn
 
 
+def _ranged(name, fn, *a):
+    with torch.profiler.record_function(name):
+        return fn(*a)
+
+
 def run(build, overlap, max_norm, steps, timeline=False):
     name, model, vocab, seq, loss_fn = build()
     torch.manual_seed(0)
     model = model.to("superchip")
     opt = superchip.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, overlap=overlap)
     g = torch.Generator().manual_seed(0)
-    times, marks = [], []
+    times = []
+
+    def one_step(x):
+        loss = _ranged("forward", loss_fn, model, x)
+        _ranged("backward", loss.backward)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad()
+
+        _ranged("clip+step", step)
+        return loss
+
     for i in range(steps):
         x = torch.randint(0, vocab, (4, seq), generator=g).to("superchip")
         t0 = time.perf_counter()
-        loss = loss_fn(model, x)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
+        loss = one_step(x)
         loss.item()
-        t3 = time.perf_counter()
-        times.append(t3 - t0)
-        marks.append((t0, t1, t2, t3))
+        times.append(time.perf_counter() - t0)
         if i == 1:
             base = opt.offload_stats()
     torch.superchip.synchronize()
@@ -83,33 +98,86 @@ def run(build, overlap, max_norm, steps, timeline=False):
     n = steps - 2
     opt_s = (st["optimizer_seconds"] - base["optimizer_seconds"]) / n
     exp_s = (st["exposed_seconds"] - base["exposed_seconds"]) / n
+    events = None
+    if timeline:
+        xs = [torch.randint(0, vocab, (4, seq), generator=g).to("superchip") for _ in range(2)]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            one_step(xs[0])
+            _ranged("forward", loss_fn, model, xs[1]).item()
+            torch.superchip.synchronize()
+        events = [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in prof.events()
+                  if e.name in ("forward", "backward", "clip+step") or e.name.startswith("superchip::")]
     return dict(name=name, step=statistics.median(times[2:]), optimizer=opt_s, exposed=exp_s,
-                hidden=1.0 - exp_s / opt_s if opt_s > 0 else 0.0, stats=st)
+                hidden=1.0 - exp_s / opt_s if opt_s > 0 else 0.0, stats=st, events=events)
+
+
+_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "clip+step": "#937860",
+           "superchip::wait": "#c44e52", "superchip::bucket_copy": "#8172b3",
+           "superchip::speculative_step": "#55a868", "superchip::cpu_step": "#64b5cd",
+           "superchip::validate": "#da8bc3", "superchip::rollback": "#8c8c8c"}
+
+
+def draw_timeline(runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), squeeze=False)
+    for ax, (title, events) in zip(axes[:, 0], runs):
+        t0 = min(e[1] for e in events)
+        main_thread = next(e[3] for e in events if e[0] == "forward")
+        rows = {"training thread": 1, "engine worker": 0}
+        seen = set()
+        for name, start, end, thread in events:
+            if name.startswith("superchip::") and name != "superchip::wait" and thread == main_thread:
+                continue  # an inline (tail or plain) step's inner ranges: drawn by clip+step
+            row = rows["training thread"] if thread == main_thread else rows["engine worker"]
+            ax.broken_barh([((start - t0) / 1e3, max((end - start) / 1e3, 0.05))], (row - 0.4, 0.8),
+                           color=_COLORS.get(name, "#cccccc"), label=None if name in seen else name)
+            seen.add(name)
+        ax.set_yticks(list(rows.values()), list(rows.keys()))
+        ax.set_xlabel("ms")
+        ax.set_title(title, fontsize=10)
+        ax.legend(loc="upper right", fontsize=7, ncol=3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"timeline written to {path}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--png", default=None, help="write a timeline of one demo-GPT step here")
     args = ap.parse_args()
     if superchip.executor() == "cpu":
         torch.set_num_threads(1)
     print(f"torch {torch.__version__}, executor {superchip.executor()}, torch threads "
           f"{torch.get_num_threads()}, optimizer threads {superchip._C._optimizer_threads()}")
+    timelines = []
     for build in (demo_model, llama_model):
         if build() is None:
             print("HF Llama: skipped (transformers is not installed)")
             continue
         for label, max_norm in (("clip never triggers", 1e9), ("clip triggers every step", 1e-3)):
-            plain = run(build, False, max_norm, args.steps)
-            eng = run(build, True, max_norm, args.steps)
+            draw = bool(args.png) and build is demo_model
+            plain = run(build, False, max_norm, args.steps, timeline=draw)
+            eng = run(build, True, max_norm, args.steps, timeline=draw)
+            if draw:
+                timelines += [(f"{plain['name']}, {label}, overlap=False", plain["events"]),
+                              (f"{eng['name']}, {label}, engine", eng["events"])]
             print(f"{plain['name']}, {label}:")
             print(f"  overlap=False: step {plain['step'] * 1e3:.1f} ms, optimizer {plain['optimizer'] * 1e3:.1f} ms, "
                   f"exposed {plain['exposed'] * 1e3:.1f} ms")
             print(f"  engine:        step {eng['step'] * 1e3:.1f} ms, optimizer {eng['optimizer'] * 1e3:.1f} ms, "
-                  f"exposed {eng['exposed'] * 1e3:.1f} ms, hidden {100 * eng['hidden']:.0f}% of optimizer time; "
+                  f"exposed {eng['exposed'] * 1e3:.1f} ms, hidden {100 * eng['hidden']:.0f}% of its optimizer time, "
+                  f"{100 * (1 - eng['exposed'] / plain['optimizer']):.0f}% of overlap=False's; "
                   f"step ratio engine/plain {eng['step'] / plain['step']:.3f}; speculated "
                   f"{eng['stats']['speculated_buckets']}, rolled back {eng['stats']['rolled_back_buckets']} "
                   f"of {eng['stats']['buckets']} buckets x {eng['stats']['steps']} steps")
+    if timelines:
+        draw_timeline(timelines, args.png)
 
 
 if __name__ == "__main__":
