@@ -14,12 +14,17 @@ profiled with torch.profiler in both modes and drawn as a timeline (matplotlib):
 thread's forward/backward/step and its waits for the engine, the engine worker's bucket
 copies, speculative and asynchronous CPU steps, validations and rollbacks.
 
-    python bench/offload.py [--steps 12] [--png bench/results/offload-timeline.png]
+Figures are per step over the steps after the first --warmup (the predictor's first failures
+are warm-up, as in any training run of thousands of steps).
+
+    python bench/offload.py [--steps 30] [--warmup 5] [--png bench/results/offload-....png]
+                            [--out bench/results/offload-....txt]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -33,6 +38,9 @@ import superchip  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from model import GPT, GPTConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchinfo import cpu_model, git_commit  # noqa: E402
 
 
 def demo_model():
@@ -65,7 +73,7 @@ def _ranged(name, fn, *a):
         return fn(*a)
 
 
-def run(build, overlap, max_norm, steps, timeline=False):
+def run(build, overlap, max_norm, steps, warmup, timeline=False):
     name, model, vocab, seq, loss_fn = build()
     torch.manual_seed(0)
     model = model.to("superchip")
@@ -91,11 +99,11 @@ def run(build, overlap, max_norm, steps, timeline=False):
         loss = one_step(x)
         loss.item()
         times.append(time.perf_counter() - t0)
-        if i == 1:
+        if i == warmup - 1:
             base = opt.offload_stats()
     torch.superchip.synchronize()
     st = opt.offload_stats()
-    n = steps - 2
+    n = steps - warmup
     opt_s = (st["optimizer_seconds"] - base["optimizer_seconds"]) / n
     exp_s = (st["exposed_seconds"] - base["exposed_seconds"]) / n
     events = None
@@ -107,7 +115,7 @@ def run(build, overlap, max_norm, steps, timeline=False):
             torch.superchip.synchronize()
         events = [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in prof.events()
                   if e.name in ("forward", "backward", "clip+step") or e.name.startswith("superchip::")]
-    return dict(name=name, step=statistics.median(times[2:]), optimizer=opt_s, exposed=exp_s,
+    return dict(name=name, step=statistics.median(times[warmup:]), optimizer=opt_s, exposed=exp_s,
                 hidden=1.0 - exp_s / opt_s if opt_s > 0 else 0.0, stats=st, events=events)
 
 
@@ -123,7 +131,7 @@ def draw_timeline(runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(14, 2.2 * len(runs)), squeeze=False)
     for ax, (title, events) in zip(axes[:, 0], runs):
         t0 = min(e[1] for e in events)
         main_thread = next(e[3] for e in events if e[0] == "forward")
@@ -139,7 +147,7 @@ def draw_timeline(runs, path):
         ax.set_yticks(list(rows.values()), list(rows.keys()))
         ax.set_xlabel("ms")
         ax.set_title(title, fontsize=10)
-        ax.legend(loc="upper right", fontsize=7, ncol=3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -148,13 +156,29 @@ def draw_timeline(runs, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--png", default=None, help="write a timeline of one demo-GPT step here")
+    ap.add_argument("--out", default=None, help="also write the report here (and a .json beside it)")
     args = ap.parse_args()
+    if not 1 <= args.warmup < args.steps:
+        ap.error("need 1 <= --warmup < --steps")
     if superchip.executor() == "cpu":
         torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, executor {superchip.executor()}, torch threads "
-          f"{torch.get_num_threads()}, optimizer threads {superchip._C._optimizer_threads()}")
+    lines, records = [], []
+
+    def out(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
+    machine = dict(cpu=cpu_model(), cores=os.cpu_count(), torch=torch.__version__,
+                   executor=superchip.executor(), torch_threads=torch.get_num_threads(),
+                   optimizer_threads=superchip._C._optimizer_threads(), commit=git_commit())
+    out(f"machine: {machine['cpu']}, {machine['cores']} cores | torch {machine['torch']} | executor "
+        f"{machine['executor']} | torch threads {machine['torch_threads']}, optimizer threads "
+        f"{machine['optimizer_threads']} | commit {machine['commit']}")
+    out(f"superchip.optim.AdamW, clip_grad_norm_ every step; {args.steps} steps, figures over the "
+        f"last {args.steps - args.warmup}; hidden = 1 - exposed / optimizer time")
     timelines = []
     for build in (demo_model, llama_model):
         if build() is None:
@@ -162,22 +186,37 @@ def main():
             continue
         for label, max_norm in (("clip never triggers", 1e9), ("clip triggers every step", 1e-3)):
             draw = bool(args.png) and build is demo_model
-            plain = run(build, False, max_norm, args.steps, timeline=draw)
-            eng = run(build, True, max_norm, args.steps, timeline=draw)
+            plain = run(build, False, max_norm, args.steps, args.warmup, timeline=draw)
+            eng = run(build, True, max_norm, args.steps, args.warmup, timeline=draw)
             if draw:
                 timelines += [(f"{plain['name']}, {label}, overlap=False", plain["events"]),
                               (f"{eng['name']}, {label}, engine", eng["events"])]
-            print(f"{plain['name']}, {label}:")
-            print(f"  overlap=False: step {plain['step'] * 1e3:.1f} ms, optimizer {plain['optimizer'] * 1e3:.1f} ms, "
-                  f"exposed {plain['exposed'] * 1e3:.1f} ms")
-            print(f"  engine:        step {eng['step'] * 1e3:.1f} ms, optimizer {eng['optimizer'] * 1e3:.1f} ms, "
-                  f"exposed {eng['exposed'] * 1e3:.1f} ms, hidden {100 * eng['hidden']:.0f}% of its optimizer time, "
-                  f"{100 * (1 - eng['exposed'] / plain['optimizer']):.0f}% of overlap=False's; "
-                  f"step ratio engine/plain {eng['step'] / plain['step']:.3f}; speculated "
-                  f"{eng['stats']['speculated_buckets']}, rolled back {eng['stats']['rolled_back_buckets']} "
-                  f"of {eng['stats']['buckets']} buckets x {eng['stats']['steps']} steps")
+            hidden_vs_plain = 1.0 - eng["exposed"] / plain["optimizer"]
+            st = eng["stats"]
+            out(f"{plain['name']}, {label}:")
+            out(f"  overlap=False: step {plain['step'] * 1e3:.1f} ms, optimizer {plain['optimizer'] * 1e3:.2f} ms "
+                f"(all exposed)")
+            out(f"  engine:        step {eng['step'] * 1e3:.1f} ms, optimizer {eng['optimizer'] * 1e3:.2f} ms, "
+                f"exposed {eng['exposed'] * 1e3:.2f} ms")
+            out(f"  hidden: {100 * hidden_vs_plain:.0f}% of overlap=False's optimizer time "
+                f"({100 * eng['hidden']:.0f}% of the engine's own); step-time ratio engine / overlap=False "
+                f"{eng['step'] / plain['step']:.3f}")
+            out(f"  engine counters over all {st['steps']} steps: {st['buckets']} buckets, speculated "
+                f"{st['speculated_buckets']}, rolled back {st['rolled_back_buckets']}, probed "
+                f"{st['probed_buckets']}; undo log {st['undo_bytes_per_param']:.2f} B/param")
+            records.append(dict(model=plain["name"], clip=label, plain_step_s=plain["step"],
+                                plain_optimizer_s=plain["optimizer"], engine_step_s=eng["step"],
+                                engine_optimizer_s=eng["optimizer"], engine_exposed_s=eng["exposed"],
+                                hidden_vs_plain=hidden_vs_plain, hidden_vs_engine=eng["hidden"],
+                                step_ratio=eng["step"] / plain["step"], counters=st))
     if timelines:
         draw_timeline(timelines, args.png)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(
+            dict(machine=machine, steps=args.steps, warmup=args.warmup, results=records), indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ void step_adam_parts(const std::vector<AdamPart>& parts) {
   }
 }
 
-AdamSpeculation::AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32)
-    : owner_(owner), parts_(std::move(parts)), cast_(cast_grads_to_fp32) {
+AdamSpeculation::AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32,
+                                 bool probe)
+    : owner_(owner), parts_(std::move(parts)), cast_(cast_grads_to_fp32), probe_(probe) {
   for (const AdamPart& p : parts_) {
     TORCH_CHECK(!p.hyper.amsgrad, "superchip.optim: internal error: amsgrad is never speculated");
   }
@@ -103,6 +104,7 @@ void AdamSpeculation::snapshot() {
 }
 
 void AdamSpeculation::step() {
+  TORCH_CHECK(!probe_, "superchip.optim: internal error: a probe is never stepped speculatively");
   logs_.assign(parts_.size(), {});
   int64_t bytes = 0, exc = 0;
   for (size_t k = 0; k < parts_.size(); ++k) {
@@ -129,6 +131,22 @@ void AdamSpeculation::rollback() {
 
 void AdamSpeculation::validate(std::vector<AdamPart> current, bool grads_untouched) {
   TORCH_CHECK(current.size() == parts_.size(), "superchip.optim: internal error: bucket changed shape");
+  if (probe_) {
+    // Would a speculation have held? Only the gradients decide (a new learning rate from a
+    // scheduler changes every step and says nothing about the next one).
+    bool valid = true;
+    for (size_t k = 0; valid && k < parts_.size(); ++k) {
+      const AdamGroup& was = parts_[k].group;
+      const AdamGroup& now = current[k].group;
+      valid = was.params.size() == now.params.size();
+      for (size_t i = 0; valid && i < now.params.size(); ++i) {
+        valid = grads_untouched || same_bits(now.grads[i], was.grads[i]);
+      }
+    }
+    step_adam_parts(current);
+    status_ = valid ? kProbeValid : kProbeInvalid;
+    return;
+  }
   bool valid = status_.load() == kSpeculated;
   for (size_t k = 0; valid && k < parts_.size(); ++k) {
     const AdamGroup& was = parts_[k].group;

@@ -2,6 +2,8 @@
 // group, each with its hyper-parameters), and the speculative life cycle
 //   speculate (during backward) -> validate (after step()) -> committed | redone
 //                               -> rollback (a reader or zero_grad() before step())
+// or, for a probe (the predictor's cheap test while speculation is off), only
+//   snapshot (during backward) -> validate: compares, then steps -> probe valid | invalid
 // Every transition runs on the engine worker; the undo log makes rollback exact
 // (ops/cpu/AdamUndo.h), so a speculated bucket ends bit for bit where the plain step ends.
 // Thread-safety: methods other than status()/undo_bytes()/exceptions() run on the worker.
@@ -31,12 +33,17 @@ void step_adam_parts(const std::vector<AdamPart>& parts);
 
 class AdamSpeculation final : public SpeculationHold {
  public:
-  enum Status : int { kQueued = 0, kSpeculated = 1, kRolledBack = 2, kCommitted = 3, kRedone = 4 };
+  enum Status : int {
+    kQueued = 0, kSpeculated = 1, kRolledBack = 2, kCommitted = 3, kRedone = 4,
+    kProbeValid = 5, kProbeInvalid = 6,
+  };
 
   // `cast_grads_to_fp32`: the snapshot is cast to fp32 on the executor before the move
   // (the link-cost model's choice); otherwise it keeps the gradient's dtype and the CPU
-  // kernel casts while it steps.
-  AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32);
+  // kernel casts while it steps. A `probe` is never stepped speculatively: validate() only
+  // records whether a speculation would have been valid, then runs the plain step.
+  AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32,
+                  bool probe = false);
 
   // Worker: the bucket's gradients cast-then-moved to host-tier snapshots.
   void snapshot();
@@ -60,6 +67,7 @@ class AdamSpeculation final : public SpeculationHold {
   std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
   std::vector<AdamUndoLogs> logs_;    // one per part
   bool cast_;
+  bool probe_;
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
   std::atomic<int64_t> exceptions_{0};

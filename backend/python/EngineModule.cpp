@@ -57,9 +57,10 @@ std::vector<at::Tensor> tensors_of(const std::vector<AdamPart>& parts) {
 void bind_engine(py::module& m) {
   using Spec = AdamSpeculation;
   py::class_<Spec, std::shared_ptr<Spec>>(m, "_AdamSpeculation")
-      .def(py::init([](int64_t owner, std::vector<AdamPartArgs> parts, bool cast_fp32) {
-        return std::make_shared<Spec>(owner, adam_parts(std::move(parts)), cast_fp32);
-      }))
+      .def(py::init([](int64_t owner, std::vector<AdamPartArgs> parts, bool cast_fp32, bool probe) {
+             return std::make_shared<Spec>(owner, adam_parts(std::move(parts)), cast_fp32, probe);
+           }),
+           py::arg("owner"), py::arg("parts"), py::arg("cast_fp32"), py::arg("probe") = false)
       .def("status", &Spec::status)
       .def("undo_bytes", &Spec::undo_bytes)
       .def("exceptions", &Spec::exceptions)
@@ -105,7 +106,8 @@ void bind_engine(py::module& m) {
     job.run = [g, h] { fused_sgd_step(*g, h); };
     return OffloadEngine::get().submit(std::move(job));
   });
-  m.def("_engine_speculate", [](std::shared_ptr<Spec> spec) {
+  // Snapshot jobs (and, unless the spec is a probe, the speculative step and its hold).
+  m.def("_engine_speculate", [](std::shared_ptr<Spec> spec, bool probe) {
     OffloadEngine& e = OffloadEngine::get();
     EngineJob copy;
     copy.name = "superchip::bucket_copy";
@@ -117,7 +119,8 @@ void bind_engine(py::module& m) {
       }
     }
     copy.run = [spec] { spec->snapshot(); };
-    e.submit(std::move(copy));
+    const uint64_t copied = e.submit(std::move(copy));
+    if (probe) return copied;  // the state is not touched: nothing to hold
     EngineJob step;
     step.name = "superchip::speculative_step";
     step.owner = spec->owner();

@@ -31,7 +31,7 @@ import torch
 from . import _C
 
 # Status codes of _C._AdamSpeculation (backend/engine/AdamBucket.h).
-_QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE = range(5)
+_QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID = range(7)
 _MAX_BACKOFF = 64
 
 
@@ -49,12 +49,13 @@ def overlap_default() -> bool:
 
 
 class _Speculation:
-    __slots__ = ("spec", "grads", "stepped")
+    __slots__ = ("spec", "grads", "stepped", "probe")
 
-    def __init__(self, spec, grads):
+    def __init__(self, spec, grads, probe):
         self.spec = spec
         self.grads = grads        # {param: (grad tensor, its _version)} when speculated
         self.stepped = False      # step() has queued its validation
+        self.probe = probe        # only snapshotted: tells the predictor, never rolled back
 
 
 class Engine:
@@ -87,7 +88,10 @@ class Engine:
         self.multi_backward = False
         self.backoff = 1
         self.cooldown = 0
+        self.probing = False
+        self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
+                           probed_buckets=0,
                            undo_bytes=0, undo_elements=0, undo_exceptions=0)
         self.inline_seconds = 0.0
         self.hooks = []
@@ -128,62 +132,84 @@ class Engine:
             self.speculating = False
             return
         self.order.append(p)
-        if not self.speculating:
+        if not (self.speculating or self.probing):
             return
         b = self.bucket_of.get(p)
-        if b is None or b < self.tail:
+        if b is None or b < self.tail or (self.probing and b != self.probe_bucket):
             return
         self.ready[b] = self.ready.get(b, 0) + 1
         if self.ready[b] == len(self.buckets[b]):
-            self._speculate(b)
+            self._speculate(b, probe=self.probing)
 
     def _begin_backward(self) -> None:
         self.order = []
         self.ready = {}
-        failed = self.multi_backward or self._harvest()
+        failed, committed, probe_valid, probe_invalid = self._harvest()
+        failed = failed or self.multi_backward
         self.multi_backward = False
-        # The predictor, like a branch predictor: speculate while the recent steps were
-        # valid; after a failure wait 1, 2, 4, ... (at most 64) steps before trying again.
+        # The predictor, like a branch predictor. Speculate while the recent steps were valid.
+        # After a failure, speculation stops and one small bucket is only *probed* each step
+        # (its gradients snapshotted and compared at step(): a copy, no speculative step, no
+        # rollback); speculation resumes after 2, 4, 8, ... (at most 64) valid probes in a row,
+        # the streak doubling with each failure. Only a committed speculation resets it.
         if failed:
             self.backoff = min(2 * self.backoff, _MAX_BACKOFF)
             self.cooldown = self.backoff
-        if self.cooldown > 0:
+        elif committed:
+            self.backoff = 1
+        if probe_invalid:
+            self.cooldown = self.backoff
+        elif probe_valid and self.cooldown > 0:
             self.cooldown -= 1
-            self.speculating = False
-        else:
-            if not failed:
-                self.backoff = 1
-            self.speculating = self.can_speculate and bool(self.buckets)
+        ok = self.can_speculate and bool(self.buckets) and len(self.buckets) > self.tail
+        self.speculating = ok and self.cooldown == 0
+        self.probing = ok and self.cooldown > 0
+        if self.probing and self.probe_bucket is None:
+            sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
+                     for b in range(self.tail, len(self.buckets))}
+            self.probe_bucket = min(sizes, key=sizes.get)
 
-    def _harvest(self) -> bool:
-        """Counts the outcomes of finished speculations; True when one failed."""
-        failed = False
+    def _harvest(self) -> tuple[bool, bool, bool, bool]:
+        """Counts the outcomes of finished speculations and probes.
+
+        Returns (a speculation failed, one committed, a probe was valid, one was invalid).
+        """
+        failed = committed = probe_valid = probe_invalid = False
         keep = []
         for s in self.outstanding:
             st = s.spec.status()
-            if st in (_COMMITTED, _REDONE) or (st == _ROLLED_BACK and not s.stepped):
+            if st in (_PROBE_VALID, _PROBE_INVALID):
+                probe_valid |= st == _PROBE_VALID
+                probe_invalid |= st == _PROBE_INVALID
+            elif s.probe:
+                if s.stepped:
+                    keep.append(s)  # its validation has not run yet
+                # else its step() never came (zero_grad, a skipped step): no outcome
+            elif st in (_COMMITTED, _REDONE) or (st == _ROLLED_BACK and not s.stepped):
                 if st != _COMMITTED:
                     self.counts["rolled_back_buckets"] += 1
                     failed = True
+                else:
+                    committed = True
                 self.counts["undo_bytes"] += s.spec.undo_bytes()
                 self.counts["undo_exceptions"] += s.spec.exceptions()
                 self.counts["undo_elements"] += s.spec.elements()
             else:
                 keep.append(s)
         self.outstanding = keep
-        return failed
+        return failed, committed, probe_valid, probe_invalid
 
-    def _speculate(self, b: int) -> None:
+    def _speculate(self, b: int, probe: bool = False) -> None:
         params = self.buckets[b]
         parts = self.opt._engine_parts(params, step_increment=1)
         if parts is None:
             return
         grads = {p: (p.grad, p.grad._version) for p in params}
-        spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32())
-        _C._engine_speculate(spec)
-        self.specs[b] = _Speculation(spec, grads)
+        spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32(), probe)
+        _C._engine_speculate(spec, probe)
+        self.specs[b] = _Speculation(spec, grads, probe)
         self.outstanding.append(self.specs[b])
-        self.counts["speculated_buckets"] += 1
+        self.counts["probed_buckets" if probe else "speculated_buckets"] += 1
 
     # ---- step() ----
 
@@ -206,7 +232,7 @@ class Engine:
                 _C._engine_validate(spec.spec, parts, untouched)
                 spec.stepped = True
             else:
-                if spec is not None:
+                if spec is not None and not spec.probe:
                     _C._engine_rollback(spec.spec)
                     spec.stepped = True
                 self.opt._engine_submit(parts)
@@ -248,6 +274,7 @@ class Engine:
         self.tail = self._choose_tail()
         self.opt._engine_place_state(self.buckets, self.tail)
         self.specs = {}
+        self.probe_bucket = None
 
     def bucket_bytes(self) -> int:
         if self.bucket_bytes_arg is not None:
@@ -291,6 +318,7 @@ class Engine:
             tail_buckets=self.tail,
             speculated_buckets=self.counts["speculated_buckets"],
             rolled_back_buckets=self.counts["rolled_back_buckets"],
+            probed_buckets=self.counts["probed_buckets"],
             steps=self.counts["steps"],
             skipped_steps=self.counts["skipped_steps"],
             optimizer_seconds=float(s["optimizer_seconds"] + self.inline_seconds),

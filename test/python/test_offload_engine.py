@@ -111,6 +111,24 @@ def test_exact_against_plain_step(dtype, clip):
     assert st["optimizer_seconds"] > 0.0 and st["exposed_seconds"] >= 0.0
 
 
+def test_predictor_probes_while_clipping_triggers_and_resumes_after():
+    # Clipping triggers for the first 8 steps, then never: speculation fails once, the
+    # predictor probes one bucket per step (no speculative step, nothing rolled back), and
+    # resumes speculating once the probes have been valid long enough.
+    def clip(i, model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3 if i < 8 else 1e9)
+
+    plain = _train(torch.float32, False, steps=16, clip=clip)
+    engine = _train(torch.float32, True, steps=16, clip=clip)
+    _assert_same(plain, engine)
+    st = engine[1].offload_stats()
+    assert st["probed_buckets"] >= 6, st
+    assert st["rolled_back_buckets"] <= 2 * st["buckets"], st
+    # Steps 0 and (at most) 1 speculate and fail; after step 8 the probes are valid again,
+    # and the last steps speculate every bucket.
+    assert st["speculated_buckets"] - st["rolled_back_buckets"] >= 3 * st["buckets"], st
+
+
 def test_accumulation_groups_scheduler_set_to_none_false():
     plain = _train(torch.float32, False, accumulate=2, set_to_none=False, clip=1.0)
     engine = _train(torch.float32, True, accumulate=2, set_to_none=False, clip=1.0)
