@@ -1,4 +1,5 @@
 // superchip._C bindings of the offload engine (backend/engine/): thin argument conversion.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/stl.h>
@@ -155,6 +156,18 @@ void bind_engine(py::module& m) {
   m.def("_engine_synchronize", [] {
     py::gil_scoped_release no_gil;
     OffloadEngine::get().synchronize();
+  });
+  // Compiled graphs read data_ptr() directly, past the dispatcher's check (Forward.cpp): the
+  // Inductor wrapper calls this with its inputs first (python/superchip/_inductor/codegen.py).
+  m.def("_engine_wait_inputs", [](py::args args) {
+    OffloadEngine& e = OffloadEngine::get();
+    for (const py::handle a : args) {
+      if (!THPVariable_Check(a.ptr())) continue;
+      const at::Tensor& t = THPVariable_Unpack(a.ptr());
+      if (t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage()) {
+        e.wait_for_storage(t.storage().unsafeGetStorageImpl());
+      }
+    }
   });
   m.def("_engine_stats", [](int64_t owner) {
     const OwnerStats s = OffloadEngine::get().stats(owner);

@@ -310,3 +310,42 @@ def test_deleting_model_and_optimizer_frees_memory_at_once():
         gc.enable()
     for key in ("hbm.allocated_bytes", "host.allocated_bytes"):
         assert end[key] == start[key], key
+
+
+def test_compiled_model_waits_for_the_pending_step():
+    # Compiled kernels read data_ptr() directly; the generated wrapper waits for the engine
+    # on its inputs, so a compiled forward right after step() sees the stepped parameters.
+    # The parameters are large (a step of several ms) and read first by a fused C++ kernel,
+    # so a forward that did not wait would read them mid-step.
+    n = 2048
+
+    class Pointwise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(n, n))
+            self.b = torch.nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            return torch.tanh(x * self.w + self.b)
+
+    def run(overlap):
+        torch.manual_seed(0)
+        model = Pointwise().to("superchip")
+        opt = superchip.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, overlap=overlap)
+        fwd = torch.compile(model, fullgraph=True)
+        g = torch.Generator().manual_seed(2)
+        xs = [torch.randn(n, n, generator=g).to("superchip") for _ in range(4)]
+        outs = []
+        for x in xs:
+            y = fwd(x)
+            outs.append(y.sum(dim=1))
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, [o.cpu() for o in outs]
+
+    (ma, oa), (mb, ob) = run(False), run(True)
+    for x, y in zip(oa, ob):
+        assert torch.equal(_bits(x), _bits(y))
+    for x, y in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(_bits(x), _bits(y))

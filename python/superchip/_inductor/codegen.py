@@ -99,6 +99,13 @@ class _SuperchipWrapper:
             line = line.replace("device='superchip'", f"device='superchip:{device.index}'", 1)
         return line
 
+    def write_args(self, input_names):
+        super().write_args(input_names)
+        # Kernels read data_ptr() directly: an optimizer step still pending on an input (the
+        # offload engine, backend/engine/) must finish first, as the dispatcher ensures for
+        # eager operators. One call; it returns at once when nothing is pending.
+        self.prefix.writeline(f"__import__('superchip')._C._engine_wait_inputs({', '.join(input_names)})")
+
     def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None, triton=True,
                                      **kwargs):
         from torch._inductor.virtualized import V
