@@ -6,9 +6,13 @@
 
 The training loop is plain PyTorch; the superchip-specific lines are `import superchip`,
 `.to("superchip")` and the optimizer, `superchip.optim.AdamW` (a drop-in for
-torch.optim.AdamW whose state lives in the host tier; `--optimizer torch` uses torch's). At the end it prints the loss before and after training, a greedy
-sample, the memory of each tier and the executor that ran the kernels (cuda on a GPU
-machine, cpu otherwise). Exits with status 1 if the loss did not decrease.
+torch.optim.AdamW whose state lives in the host tier; `--optimizer torch` uses torch's). The
+superchip optimizer runs on the offload engine (its CPU step overlapped with backward and the
+next forward, bit for bit the plain step's result; `--overlap off` steps after backward). At
+the end it prints the loss before and after training, a greedy sample, how much of the
+optimizer's CPU time the engine hid, the memory of each tier and the executor that ran the
+kernels (cuda on a GPU machine, cpu otherwise). Exits with status 1 if the loss did not
+decrease.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("torch", "superchip"), default="superchip",
                    help="superchip.optim.AdamW (default: fused CPU step, state in the host "
                         "tier) or torch.optim.AdamW")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="superchip.optim only: the offload engine (default) or the plain step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="superchip")
     p.add_argument("--log-every", type=int, default=25,
@@ -117,6 +123,16 @@ def print_memory() -> None:
           f"   reserved {mib('host.reserved_bytes')}")
 
 
+def print_offload(opt) -> None:
+    s = opt.offload_stats()
+    cpu, exposed = s["optimizer_seconds"], s["exposed_seconds"]
+    hidden = 1.0 - exposed / cpu if cpu > 0 else 0.0
+    print(f"optimizer (opt.offload_stats()): {cpu:.2f} s of CPU steps, {exposed:.2f} s exposed to "
+          f"the training loop: {100 * hidden:.0f}% hidden; {s['buckets']} buckets, "
+          f"{s['speculated_buckets']} speculated, {s['rolled_back_buckets']} rolled back, "
+          f"{s['probed_buckets']} probed")
+
+
 def executor_description() -> str:
     ex = superchip.executor()
     if ex == "cuda" and torch.cuda.is_available():
@@ -136,7 +152,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     if args.optimizer == "superchip":
-        opt = superchip.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        opt = superchip.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                    overlap=args.overlap == "on")
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
@@ -151,7 +168,8 @@ def main(argv=None) -> int:
     print(f"superchip demo: {model.num_params():,}-parameter GPT ({cfg.n_layer} layers, "
           f"d={cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}), "
           f"batch {args.batch_size}, {args.steps} steps, {args.optimizer}.optim.AdamW "
-          f"lr {args.lr} (warm-up {args.warmup}, cosine)")
+          f"lr {args.lr} (warm-up {args.warmup}, cosine)"
+          + (f", offload engine {args.overlap}" if args.optimizer == "superchip" else ""))
     print(f"device {device}, executor {executor_description()}, torch {torch.__version__}")
 
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
@@ -191,6 +209,8 @@ def main(argv=None) -> int:
     print("greedy sample:")
     print("  " + sample.replace("\n", "\n  "))
 
+    if args.optimizer == "superchip":
+        print_offload(opt)
     if device.type == "superchip":
         print_memory()
     print(f"executor: {executor_description()}")

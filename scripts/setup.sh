@@ -11,7 +11,7 @@ APT_PACKAGES=(
   libnuma-dev libhwloc-dev libgtest-dev
   g++-aarch64-linux-gnu qemu-user googletest
 )
-PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers matplotlib)
+PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers accelerate matplotlib)
 
 log() { printf '[setup] %s\n' "$*"; }
 

@@ -36,13 +36,12 @@ _MAX_BACKOFF = 64
 
 
 def overlap_default() -> bool:
-    """``SUPERCHIP_OVERLAP=1`` turns the engine on for optimizers built without ``overlap=``.
+    """The engine is on unless ``SUPERCHIP_OVERLAP=0`` (for optimizers built without ``overlap=``).
 
-    Off by default for now: under pytest's file-descriptor capture a run with the engine on
-    stalls (the root cause is not found yet; see test_offload_engine.py), so the engine is
-    opt-in until that is understood.
+    Default-on optimizers whose parameters are not all on superchip take the plain step: the
+    engine's pending-step check lives in superchip's operators (see optim._all_superchip).
     """
-    v = os.environ.get("SUPERCHIP_OVERLAP", "0").strip().lower()
+    v = os.environ.get("SUPERCHIP_OVERLAP", "1").strip().lower()
     if v not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"SUPERCHIP_OVERLAP must be 0 or 1, got {v!r}")
     return v in ("1", "true", "on")
@@ -114,6 +113,15 @@ class Engine:
         for p in params:
             if p.requires_grad:
                 self.hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    def stop(self) -> None:
+        """Turns the engine off for good (a parameter it cannot guard joined): the plain step."""
+        self.rollback_unstepped(skipped=False)
+        self.synchronize()
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.overlap = False
 
     def __del__(self):
         for h in getattr(self, "hooks", ()):

@@ -105,6 +105,21 @@ def _params_with_grad(cls: str, group: dict) -> list:
     return params
 
 
+def _all_superchip(params, explicit: str | None) -> bool:
+    """Whether every parameter is a superchip tensor: the engine's pending-step check lives in
+    superchip's operators, so a CPU tensor read during an asynchronous step would see it
+    half-done. With `explicit` (the argument that asked for the engine) that is an error."""
+    for i, p in enumerate(params):
+        if p.device.type != "superchip":
+            if explicit:
+                raise ValueError(
+                    f"superchip.optim: {explicit} needs every parameter on the superchip device, "
+                    f"but parameter {i} (shape {tuple(p.shape)}) is on {p.device}; move the model "
+                    f"with .to('superchip') before building the optimizer, or pass overlap=False")
+            return False
+    return True
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared state handling: fp32 state in the host tier, torch-compatible state dicts."""
 
@@ -112,10 +127,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _CAN_SPECULATE = False
 
     def _start_engine(self, overlap, bucket_bytes, tail_buckets) -> None:
-        if overlap is None:
-            overlap = overlap_default()
+        explicit = overlap is not None
+        overlap = bool(overlap) if explicit else overlap_default()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if overlap and not _all_superchip(params, "overlap=True" if explicit else None):
+            overlap = False  # the default on a model not on superchip: the plain step
+        self._overlap_explicit = explicit
         self._state_tiers: dict = {}
-        self._engine = Engine(self, overlap=bool(overlap), bucket_bytes=bucket_bytes,
+        self._engine = Engine(self, overlap=overlap, bucket_bytes=bucket_bytes,
                               tail_buckets=tail_buckets, can_speculate=self._CAN_SPECULATE)
 
     def _tier(self, p) -> str:
@@ -176,8 +195,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
         engine = getattr(self, "_engine", None)
+        if engine is not None and engine.overlap:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = dict(param_group, params=params)
+            # Checked before the group is added, so an error changes nothing.
+            if not _all_superchip(params, "overlap=True" if self._overlap_explicit else None):
+                engine.stop()  # a CPU parameter joins a default-on engine: the plain step
+        super().add_param_group(param_group)
         if engine is not None and engine.overlap:
             engine.add_hooks(self.param_groups[-1]["params"])
             engine.buckets = []

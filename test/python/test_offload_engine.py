@@ -226,6 +226,11 @@ def test_checkpoint_resumes_identically_also_into_torch_optim(tmp_path):
 
 def test_overlap_env_and_arguments(monkeypatch):
     p = torch.nn.Parameter(torch.ones(4, device="superchip"))
+    monkeypatch.delenv("SUPERCHIP_OVERLAP", raising=False)
+    assert superchip.optim.AdamW([p])._engine.overlap  # on by default
+    monkeypatch.setenv("SUPERCHIP_OVERLAP", "2")
+    with pytest.raises(ValueError, match="SUPERCHIP_OVERLAP must be 0 or 1"):
+        superchip.optim.AdamW([p])
     monkeypatch.setenv("SUPERCHIP_OVERLAP", "0")
     assert not superchip.optim.AdamW([p])._engine.overlap
     monkeypatch.setenv("SUPERCHIP_OVERLAP", "1")
@@ -349,3 +354,68 @@ def test_compiled_model_waits_for_the_pending_step():
         assert torch.equal(_bits(x), _bits(y))
     for x, y in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(_bits(x), _bits(y))
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 0.5], ids=["clip-never", "clip-always"])
+def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch, max_grad_norm):
+    # The README's Trainer path: ACCELERATE_TORCH_DEVICE=superchip and
+    # optimizers=(superchip.optim.AdamW(...), None); Trainer's own loop (accelerate's wrapped
+    # optimizer, clip_grad_norm_, its linear schedule, model.zero_grad()) runs unchanged.
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "superchip")
+
+    def run(overlap):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg).to("superchip")
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for _ in range(24):
+            ids = torch.randint(0, 128, (32,), generator=g)
+            data.append({"input_ids": ids, "labels": ids.clone()})
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"out{int(overlap)}"), per_device_train_batch_size=4,
+            max_steps=6, learning_rate=1e-3, max_grad_norm=max_grad_norm, logging_steps=1,
+            report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = superchip.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                     {"params": no_decay, "weight_decay": 0.0}],
+                                    lr=1e-3, overlap=overlap, bucket_bytes=32 << 10)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        trainer.train()
+        assert next(trainer.model.parameters()).device.type == "superchip"
+        return trainer.model, opt, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    (ma, oa, la), (mb, ob, lb) = run(False), run(True)
+    assert len(la) == 6 and la == lb
+    for x, y in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(_bits(x), _bits(y))
+    st = ob.offload_stats()
+    assert st["steps"] == 6 and st["buckets"] >= 3
+    if max_grad_norm == 1e9:
+        assert st["speculated_buckets"] > st["rolled_back_buckets"]
+    else:
+        assert st["probed_buckets"] >= 1
+
+
+def test_engine_needs_superchip_parameters():
+    cpu = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"overlap=True needs every parameter on the superchip device.*cpu"):
+        superchip.optim.AdamW(cpu.parameters(), overlap=True)
+    # The default falls back to the plain step on CPU parameters.
+    assert not superchip.optim.AdamW(cpu.parameters())._engine.overlap
+    # A CPU group joining an explicit engine is refused before anything changes.
+    sc = torch.nn.Linear(4, 4).to("superchip")
+    opt = superchip.optim.AdamW(sc.parameters(), overlap=True)
+    with pytest.raises(ValueError, match="parameter 0"):
+        opt.add_param_group({"params": cpu.weight})
+    assert len(opt.param_groups) == 1 and opt._engine.overlap
+    # ... and makes a default-on engine step plainly from then on.
+    opt = superchip.optim.AdamW(sc.parameters())
+    assert opt._engine.overlap
+    opt.add_param_group({"params": cpu.weight})
+    assert len(opt.param_groups) == 2 and not opt._engine.overlap
