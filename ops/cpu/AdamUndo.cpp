@@ -50,7 +50,9 @@ constexpr FieldCode kCodes[4] = {{0, 2, 1}, {2, 3, 3}, {5, 2, 1}, {7, 1, 0}};
 
 // The vectorized block loops get one clone per x86 ISA level (ifunc, chosen at load time).
 // Every clone computes the same bits: only IEEE operations, -ffp-contract=off for the file.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under sanitizers: an ifunc resolver runs during relocation, before their runtimes start.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
 #define SUPERCHIP_UNDO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SUPERCHIP_UNDO_CLONES
