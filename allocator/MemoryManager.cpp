@@ -1,5 +1,7 @@
 #include "allocator/MemoryManager.h"
 
+#include <atomic>
+
 #include <cstdio>
 #include <cstring>
 #include <unordered_set>
@@ -57,6 +59,7 @@ struct MemoryManager::Impl {
   const MemoryConfig config;
   TierAllocator hbm;
   TierAllocator host;
+  std::atomic<int64_t> spills{0};
 };
 
 MemoryManager::MemoryManager(const MemoryConfig& config) : impl_(std::make_unique<Impl>(config)) {}
@@ -64,6 +67,74 @@ MemoryManager::MemoryManager(const MemoryConfig& config) : impl_(std::make_uniqu
 MemoryManager::~MemoryManager() = default;
 
 void* MemoryManager::allocate(size_t nbytes, Tier tier) { return impl_->tier(tier).allocate(nbytes); }
+
+// Note [Placement]
+// Tensors that may live in either tier (every allocation the superchip allocator makes for
+// an operator, a factory or a copy onto the device) go to hbm while it has room, then to host:
+// a model larger than hbm loads and runs instead of failing, and only when both tiers are full
+// does an allocation fail, with an error naming both. A limit below hbm's capacity keeps a
+// reserve of hbm for activations: weights copied in from the CPU are placed under it (the
+// backend passes capacity - reserve), so they cannot fill hbm and push every activation out.
+// Explicit tier requests (allocate(), superchip.move_to_tier) never fall back.
+MemoryManager::Placed MemoryManager::allocate_placed(size_t nbytes, size_t hbm_limit) {
+  if (nbytes == 0) return {nullptr, Tier::kHbm};
+  const bool under_limit =
+      hbm_limit == 0 || impl_->hbm.stats().allocated_bytes + static_cast<int64_t>(nbytes) <=
+                            static_cast<int64_t>(hbm_limit);
+  if (under_limit) {
+    if (void* p = impl_->hbm.try_allocate(nbytes)) return {p, Tier::kHbm};
+  }
+  if (void* p = impl_->host.try_allocate(nbytes)) {
+    impl_->spills.fetch_add(1, std::memory_order_relaxed);
+    return {p, Tier::kHost};
+  }
+  if (!under_limit) {
+    if (void* p = impl_->hbm.try_allocate(nbytes)) return {p, Tier::kHbm};
+  }
+  try {
+    return {impl_->host.allocate(nbytes), Tier::kHost};  // counts the error, names host
+  } catch (const OutOfTierMemory& host_error) {
+    throw_both_full(nbytes, host_error);
+  }
+}
+
+Tier MemoryManager::account_external_placed(size_t nbytes) {
+  if (impl_->hbm.try_account_external(nbytes)) return Tier::kHbm;
+  if (impl_->host.try_account_external(nbytes)) {
+    impl_->spills.fetch_add(1, std::memory_order_relaxed);
+    return Tier::kHost;
+  }
+  try {
+    impl_->host.account_external(nbytes);  // counts the error, names host
+    return Tier::kHost;
+  } catch (const OutOfTierMemory& host_error) {
+    throw_both_full(nbytes, host_error);
+  }
+}
+
+void MemoryManager::throw_both_full(size_t nbytes, const OutOfTierMemory& host_error) const {
+  const TierStats h = impl_->hbm.stats();
+  const std::string hbm_part =
+      "hbm: capacity " +
+      (h.capacity_bytes == 0 ? std::string("unlimited") : format_bytes(size_t(h.capacity_bytes))) +
+      ", " + format_bytes(size_t(h.allocated_bytes)) + " allocated by tensors, " +
+      format_bytes(size_t(h.reserved_bytes - h.allocated_bytes)) + " cached";
+  throw OutOfTierMemory("superchip: out of memory in both tiers of superchip:" +
+                            std::to_string(impl_->config.device_index) + ": tried to allocate " +
+                            format_bytes(nbytes) + "; " + hbm_part + "; and " + host_error.what() +
+                            " Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES.",
+                        Tier::kHost, nbytes);
+}
+
+size_t MemoryManager::weights_limit() const noexcept {
+  const auto cap = static_cast<size_t>(impl_->hbm.stats().capacity_bytes);
+  if (cap == 0) return 0;
+  const MemoryConfig& c = impl_->config;
+  const size_t reserve = c.hbm_reserve_bytes > 0
+                             ? c.hbm_reserve_bytes
+                             : static_cast<size_t>(static_cast<double>(cap) * c.hbm_reserve_fraction);
+  return reserve < cap ? cap - reserve : 1;  // 1: no weight fits under the limit
+}
 
 void MemoryManager::free(void* ptr) noexcept {
   if (ptr == nullptr) return;
@@ -104,7 +175,11 @@ void MemoryManager::copy(void* dst, const void* src, size_t nbytes) const {
   std::memcpy(dst, src, nbytes);
 }
 
-TierStats MemoryManager::stats(Tier tier) const noexcept { return impl_->tier(tier).stats(); }
+TierStats MemoryManager::stats(Tier tier) const noexcept {
+  TierStats s = impl_->tier(tier).stats();
+  if (tier == Tier::kHost) s.num_spills = impl_->spills.load(std::memory_order_relaxed);
+  return s;
+}
 
 void MemoryManager::empty_cache() noexcept {
   impl_->hbm.empty_cache();
@@ -119,6 +194,7 @@ void MemoryManager::reset_peak() noexcept {
 void MemoryManager::reset_accumulated() noexcept {
   impl_->hbm.reset_accumulated();
   impl_->host.reset_accumulated();
+  impl_->spills.store(0, std::memory_order_relaxed);
 }
 
 void MemoryManager::set_capacity(Tier tier, size_t capacity_bytes) {

@@ -41,6 +41,7 @@ struct TierStats {
   int64_t num_frees = 0;             // cumulative free() + release_external() calls
   int64_t num_cache_hits = 0;        // allocations served from the cache
   int64_t num_ooms = 0;              // OutOfTierMemory errors raised
+  int64_t num_spills = 0;            // host only: allocate_placed() requests hbm could not take
 };
 
 // Raised when a tier cannot satisfy a request even after releasing its cache. The
@@ -67,6 +68,10 @@ struct MemoryConfig {
   size_t host_capacity = 0;  // bytes; 0 = unlimited
   int numa_node = -1;        // NUMA node for host-tier memory; -1 = no binding
   bool pin_host = false;     // cudaHostRegister large host blocks (CUDA builds only)
+  // hbm kept free of weights for activations (Note [Placement]): reserve_bytes when set
+  // (> 0), else reserve_fraction of the hbm capacity. Only applies to a limited hbm.
+  size_t hbm_reserve_bytes = 0;
+  double hbm_reserve_fraction = 0.2;
 };
 
 class MemoryManager {
@@ -80,6 +85,18 @@ class MemoryManager {
   // fitting block is free. nbytes == 0 returns nullptr and changes no statistic.
   // Throws OutOfTierMemory when the tier's budget cannot hold it after empty_cache().
   void* allocate(size_t nbytes, Tier tier);
+  // A block for a tensor that may live in either tier (Note [Placement] in MemoryManager.cpp):
+  // in hbm while it can hold nbytes without hbm's allocated bytes passing `hbm_limit`
+  // (0 = the capacity), else in host (a spill, counted in host's num_spills), else in hbm past
+  // the limit. Throws OutOfTierMemory naming both tiers when neither can hold it.
+  struct Placed {
+    void* ptr;
+    Tier tier;
+  };
+  Placed allocate_placed(size_t nbytes, size_t hbm_limit = 0);
+  // The hbm_limit for weights: hbm capacity minus the activation reserve; 0 when hbm is
+  // unlimited (no reserve to keep).
+  size_t weights_limit() const noexcept;
   // Returns a block from allocate() to its tier's cache. nullptr is ignored. Never throws;
   // a pointer this manager does not own is reported to stderr and ignored.
   void free(void* ptr) noexcept;
@@ -89,6 +106,10 @@ class MemoryManager {
   // budget cannot hold it after releasing the cache.
   void account_external(Tier tier, size_t nbytes);
   void release_external(Tier tier, size_t nbytes) noexcept;
+  // account_external() for memory that may count in either tier (an emulated executor's
+  // output: host memory either way): hbm while it can hold it, else host (a spill). Throws
+  // OutOfTierMemory naming both tiers when neither can. Returns the tier charged.
+  Tier account_external_placed(size_t nbytes);
 
   // Tier of a pointer returned by allocate(), nullopt for any other pointer.
   std::optional<Tier> tier_of(const void* ptr) const noexcept;
@@ -115,6 +136,7 @@ class MemoryManager {
   void check_invariants() const;
 
  private:
+  [[noreturn]] void throw_both_full(size_t nbytes, const OutOfTierMemory& host_error) const;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -41,10 +41,17 @@ size_t TierAllocator::round_size(size_t nbytes) noexcept {
 
 // ---- allocation ----
 
-void* TierAllocator::allocate(size_t nbytes) {
+void* TierAllocator::allocate(size_t nbytes) { return allocate_impl(nbytes, /*quiet=*/false); }
+
+void* TierAllocator::try_allocate(size_t nbytes) { return allocate_impl(nbytes, /*quiet=*/true); }
+
+void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
   if (nbytes == 0) return nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (nbytes > kMaxRequest) throw_oom(nbytes, nullptr);
+  if (nbytes > kMaxRequest) {
+    if (quiet) return nullptr;
+    throw_oom(nbytes, nullptr);
+  }
   const size_t rounded = round_size(nbytes);
 
   auto hit = cached_.lower_bound(rounded);
@@ -58,13 +65,19 @@ void* TierAllocator::allocate(size_t nbytes) {
     return raw.ptr;
   }
 
-  make_room(rounded, nbytes);
+  if (!make_room(rounded)) {
+    if (quiet) return nullptr;
+    throw_oom(nbytes, nullptr);
+  }
   RawBlock raw = backing_->allocate(rounded);
   if (raw.ptr == nullptr) {
     // The system ran out before the budget did: what we cache may be what it lacks.
     release_all_cached();
     raw = backing_->allocate(rounded);
-    if (raw.ptr == nullptr) throw_oom(nbytes, backing_->name());
+    if (raw.ptr == nullptr) {
+      if (quiet) return nullptr;
+      throw_oom(nbytes, backing_->name());
+    }
   }
   try {
     live_.emplace(raw.ptr, LiveBlock{raw, nbytes});
@@ -97,11 +110,21 @@ bool TierAllocator::free(void* ptr) noexcept {
   return true;
 }
 
+bool TierAllocator::try_account_external(size_t nbytes) {
+  if (nbytes == 0) return true;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (nbytes > kMaxRequest || !make_room(nbytes)) return false;
+  grow(as_i64(nbytes), as_i64(nbytes), as_i64(nbytes));
+  stats_.external_bytes += as_i64(nbytes);
+  external_accounts_++;
+  stats_.num_allocs++;
+  return true;
+}
+
 void TierAllocator::account_external(size_t nbytes) {
   if (nbytes == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (nbytes > kMaxRequest) throw_oom(nbytes, nullptr);
-  make_room(nbytes, nbytes);
+  if (nbytes > kMaxRequest || !make_room(nbytes)) throw_oom(nbytes, nullptr);
   grow(as_i64(nbytes), as_i64(nbytes), as_i64(nbytes));
   stats_.external_bytes += as_i64(nbytes);
   external_accounts_++;
@@ -132,13 +155,14 @@ void TierAllocator::release_external(size_t nbytes) noexcept {
 
 // ---- budget ----
 
-void TierAllocator::make_room(size_t bytes, size_t requested) {
+bool TierAllocator::make_room(size_t bytes) {
   const int64_t capacity = stats_.capacity_bytes;
-  if (capacity == 0) return;
+  if (capacity == 0) return true;
   // Decide before touching the cache, so that a failed request changes nothing.
-  if (stats_.allocated_bytes + as_i64(bytes) > capacity) throw_oom(requested, nullptr);
+  if (stats_.allocated_bytes + as_i64(bytes) > capacity) return false;
   // Largest first: few releases free many bytes, and the small blocks that churn stay.
   while (stats_.reserved_bytes + as_i64(bytes) > capacity) release_cached(std::prev(cached_.end()));
+  return true;
 }
 
 void TierAllocator::throw_oom(size_t requested, const char* exhausted_backing) {

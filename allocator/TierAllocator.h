@@ -52,11 +52,17 @@ class TierAllocator {
   // if that also fails, OutOfTierMemory is thrown (the released cache stays released).
   // Other backing failures (a CUDA error) propagate as std::runtime_error.
   void* allocate(size_t nbytes);
+  // As allocate(), but returns nullptr instead of throwing when the budget or the backing
+  // cannot hold the request (no error counted, nothing changed): for a caller with a fallback.
+  void* try_allocate(size_t nbytes);
   // Returns ptr to the cache. False (and nothing changes) when ptr is not a live block here.
   bool free(void* ptr) noexcept;
 
   // nbytes == 0 is a no-op. Same budget rule and errors as allocate, without rounding.
   void account_external(size_t nbytes);
+  // As account_external(), but returns false (no error counted, nothing changed) when the
+  // budget cannot hold it.
+  bool try_account_external(size_t nbytes);
   // nbytes == 0 is a no-op. Releasing more than is accounted is reported to stderr and
   // clamped so that the statistics stay non-negative.
   void release_external(size_t nbytes) noexcept;
@@ -86,7 +92,9 @@ class TierAllocator {
 
   // All private helpers expect mutex_ to be held.
   // Throws OutOfTierMemory unless `bytes` more can be reserved, releasing cache if needed.
-  void make_room(size_t bytes, size_t requested);
+  void* allocate_impl(size_t nbytes, bool quiet);
+  // False (nothing changed) when the budget cannot hold `bytes` even with the cache released.
+  bool make_room(size_t bytes);
   [[noreturn]] void throw_oom(size_t requested, const char* reason);
   void release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept;
   void release_all_cached() noexcept;

@@ -142,6 +142,13 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
               "copy between superchip and ", self.device(), " is not supported; go through the cpu.");
   TORCH_CHECK(is_superchip(dst) || is_executor_or_cpu(dst),
               "copy between superchip and ", dst.device(), " is not supported; go through the cpu.");
+  // Weights arriving from the CPU that fill their whole storage (.to("superchip"),
+  // torch.load(map_location=...), load_state_dict): placed under hbm's weights limit.
+  if (is_superchip(dst) && !is_superchip(self) && dst.storage_offset() == 0 &&
+      dst.is_non_overlapping_and_dense() &&
+      static_cast<size_t>(dst.numel()) * dst.element_size() == dst.storage().nbytes()) {
+    place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
+  }
   // One AliasSet: a source overlapping the destination is seen as on CPU.
   AliasSet aliases;
   at::Tensor src_x = is_superchip(self) ? aliases.alias(self, Access::kRead) : self;

@@ -60,6 +60,7 @@ py::dict memory_stats(c10::DeviceIndex device) {
     d[py::str(p + "num_frees")] = s.num_frees;
     d[py::str(p + "num_cache_hits")] = s.num_cache_hits;
     d[py::str(p + "num_ooms")] = s.num_ooms;
+    if (tier == Tier::kHost) d[py::str(p + "num_spills")] = s.num_spills;
   }
   return d;
 }

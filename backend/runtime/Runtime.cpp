@@ -169,6 +169,18 @@ MemoryManager& memory(c10::DeviceIndex index) {
   const std::string hbm = env_or("SUPERCHIP_HBM_BYTES", "");
   cfg.hbm_capacity = hbm.empty() ? (cfg.cuda ? 0 : default_hbm_budget())
                                  : parse_bytes(hbm, "SUPERCHIP_HBM_BYTES");
+  const std::string reserve = env_or("SUPERCHIP_HBM_RESERVE", "");
+  if (!reserve.empty() && reserve.back() == '%') {
+    char* end = nullptr;
+    const double pct = std::strtod(reserve.c_str(), &end);
+    TORCH_CHECK(end == reserve.c_str() + reserve.size() - 1 && pct >= 0 && pct < 100,
+                "SUPERCHIP_HBM_RESERVE must be a byte count (2G) or a percentage of the hbm "
+                "budget below 100 (20%); got '", reserve, "'.");
+    cfg.hbm_reserve_fraction = pct / 100.0;
+  } else if (!reserve.empty()) {
+    cfg.hbm_reserve_bytes = parse_bytes(reserve, "SUPERCHIP_HBM_RESERVE");
+    if (cfg.hbm_reserve_bytes == 0) cfg.hbm_reserve_fraction = 0.0;
+  }
   const std::string host = env_or("SUPERCHIP_HOST_BYTES", "");
   cfg.host_capacity = host.empty() ? 0 : parse_bytes(host, "SUPERCHIP_HOST_BYTES");
   const Topology& topo = Topology::get();

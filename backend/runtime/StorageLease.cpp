@@ -70,6 +70,11 @@ void check_no_lease(const c10::StorageImpl& storage, const char* action) {
               "then move the tensor.");
 }
 
+bool storage_has_lease(const c10::StorageImpl& storage) {
+  std::lock_guard<std::mutex> g(lease_mutex());
+  return leases().count(&storage) != 0;
+}
+
 size_t leased_storage_count() {
   std::lock_guard<std::mutex> g(lease_mutex());
   return leases().size();

@@ -30,6 +30,8 @@ class StorageLease {
 
 // Raises a user error when `storage` has a live lease: `action` names what was refused.
 void check_no_lease(const c10::StorageImpl& storage, const char* action);
+// Whether `storage` has a live lease.
+bool storage_has_lease(const c10::StorageImpl& storage);
 // Number of storages with a live lease (tests, diagnostics).
 size_t leased_storage_count();
 

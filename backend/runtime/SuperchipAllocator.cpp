@@ -140,6 +140,7 @@ struct AdoptedBlock {
   c10::Storage executor_storage;  // keeps the executor's memory alive
   MemoryManager* memory;
   size_t nbytes;
+  Tier tier;                      // the tier it is charged to
 };
 
 struct AdoptedRegistry {
@@ -167,7 +168,7 @@ void adopted_delete(void* data) noexcept {
     a = it->second;
     r.blocks.erase(it);
   }
-  a->memory->release_external(Tier::kHbm, a->nbytes);
+  a->memory->release_external(a->tier, a->nbytes);
   delete a;  // drops the executor storage outside the registry lock
 }
 
@@ -238,6 +239,36 @@ c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device)
   return {p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
 }
 
+c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_limit) {
+  MemoryManager& m = memory(device);
+  MemoryManager::Placed placed{nullptr, Tier::kHbm};
+  try {
+    placed = m.allocate_placed(nbytes, hbm_limit);
+  } catch (const OutOfTierMemory& e) {
+    rethrow_as_torch_oom(e);
+  }
+  return {placed.ptr, placed.ptr, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+}
+
+void place_incoming_weights(c10::StorageImpl& storage) {
+  const c10::DeviceIndex device = storage.device().index();
+  MemoryManager& m = memory(device);
+  const size_t limit = m.weights_limit();
+  const size_t nbytes = storage.nbytes();
+  if (limit == 0 || nbytes == 0 || storage_tier(storage) != Tier::kHbm) return;
+  if (static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes) <= limit) return;
+  if (storage_has_lease(storage)) return;  // a collective uses the bytes: leave them
+  // Past the limit: the weights go to host, where allocate_placed() falls back anyway.
+  void* p = nullptr;
+  try {
+    p = m.allocate(nbytes, Tier::kHost);
+  } catch (const OutOfTierMemory&) {
+    return;  // host is full: the weights stay in hbm
+  }
+  c10::DataPtr old = storage.set_data_ptr(
+      c10::DataPtr(p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)));
+}
+
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
   MemoryManager& m = memory(device);
   const size_t nbytes = executor_storage.nbytes();
@@ -245,12 +276,19 @@ c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::D
   const c10::Device superchip_device(c10::DeviceType::PrivateUse1, device);
   // No bytes to keep alive (an empty result): nothing to account or register.
   if (data == nullptr) return c10::DataPtr(nullptr, superchip_device);
+  // The CPU executor's outputs are host memory whichever tier they count in, so a full hbm
+  // charges them to host (Note [Placement]); a GPU's outputs are in its memory: hbm only.
+  Tier tier = Tier::kHbm;
   try {
-    m.account_external(Tier::kHbm, nbytes);
+    if (executor() == Executor::kCpu) {
+      tier = m.account_external_placed(nbytes);
+    } else {
+      m.account_external(Tier::kHbm, nbytes);
+    }
   } catch (const OutOfTierMemory& e) {
     rethrow_as_torch_oom(e);
   }
-  auto* block = new AdoptedBlock{executor_storage, &m, nbytes};
+  auto* block = new AdoptedBlock{executor_storage, &m, nbytes, tier};
   {
     AdoptedRegistry& r = adopted_registry();
     std::lock_guard<std::mutex> lock(r.mutex);
@@ -263,7 +301,13 @@ Tier storage_tier(const c10::StorageImpl& storage) {
   // By address, not by deleter: a copy-on-write DataPtr wraps a block's deleter.
   const void* data = storage.data_ptr().get();
   if (MemoryManager* m = owner_of(data)) return m->tier_of(data).value_or(Tier::kHbm);
-  return Tier::kHbm;  // adopted memory and empty storages
+  if (data != nullptr) {
+    AdoptedRegistry& r = adopted_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.blocks.find(const_cast<void*>(data));
+    if (it != r.blocks.end()) return it->second->tier;
+  }
+  return Tier::kHbm;  // empty storages (where they would allocate)
 }
 
 void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
@@ -281,7 +325,8 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
   TORCH_CHECK(storage.resizable(), "Trying to resize a superchip storage that is not resizable.");
   const c10::DeviceIndex device = storage.device().index();
   const Tier tier = storage_tier(storage);
-  c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);
+  // An hbm storage may grow into host when hbm is full (Note [Placement]); host stays host.
+  c10::DataPtr fresh = tier == Tier::kHbm ? allocate_placed(nbytes, device) : allocate_in_tier(nbytes, tier, device);
   const size_t keep = std::min(nbytes, storage.nbytes());
   if (keep > 0 && storage.data() != nullptr) memory(device).copy(fresh.get(), storage.data(), keep);
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
@@ -292,7 +337,7 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
 
 c10::DataPtr SuperchipAllocator::allocate(size_t nbytes) {
   retire_pending_frees();
-  return allocate_in_tier(nbytes, Tier::kHbm, current_device());
+  return allocate_placed(nbytes, current_device());
 }
 
 c10::DeleterFnPtr SuperchipAllocator::raw_deleter() const { return &block_delete; }

@@ -47,6 +47,17 @@ size_t pending_stream_frees();
 // A block of `tier` on `device`, as a DataPtr of device superchip:device.
 c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device);
 
+// A block on `device` for a tensor that may live in either tier (Note [Placement] in
+// allocator/MemoryManager.cpp): hbm while it has room below `hbm_limit` (0: its capacity),
+// else host. Raises torch.OutOfMemoryError naming both tiers when neither can hold it.
+c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_limit = 0);
+
+// Weights copied in from the CPU: when `storage` is in hbm and hbm is past its weights
+// limit (capacity minus the activation reserve), its bytes move to host before the copy
+// overwrites them all (nothing is copied). Called by copy_ for a destination that covers
+// its whole storage.
+void place_incoming_weights(c10::StorageImpl& storage);
+
 // Wraps the memory of an executor storage as a superchip DataPtr on `device`, accounted in
 // `hbm`. Raises torch.OutOfMemoryError when the budget cannot hold it.
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device);

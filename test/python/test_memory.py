@@ -51,7 +51,7 @@ def check_invariants(s: dict) -> None:
 
 def test_memory_stats_keys_are_ints():
     s = stats()
-    assert set(s) == {f"{tier}.{f}" for tier in TIERS for f in FIELDS}
+    assert set(s) == {f"{tier}.{f}" for tier in TIERS for f in FIELDS} | {"host.num_spills"}
     assert all(type(v) is int for v in s.values()), s
     assert superchip.memory_stats("superchip:0") == s
     assert superchip.memory_stats(0) == s
@@ -267,29 +267,63 @@ def test_set_capacity_reported_and_validated(hbm_capacity):
     del keep
 
 
-def test_oom_error_message_state_and_recovery(hbm_capacity):
+@pytest.fixture
+def host_capacity():
+    """Restores the host capacity whatever the test did to it."""
+    old = stats()["host.capacity_bytes"]
+    try:
+        yield old
+    finally:
+        gc.collect()
+        superchip.empty_cache()
+        superchip.set_capacity("host", old)
+
+
+def test_full_hbm_spills_to_host(hbm_capacity):
+    # Note [Placement]: an allocation hbm cannot hold goes to host instead of failing.
+    used = stats()["hbm.allocated_bytes"]
+    superchip.set_capacity("hbm", used + 8 * MiB)
+    a = torch.empty(6 * MiB, dtype=torch.uint8, device=DEVICE)
+    before = stats()
+    b = torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
+    after = stats()
+    assert superchip.tier_of(a) == "hbm" and superchip.tier_of(b) == "host"
+    assert after["host.num_spills"] == before["host.num_spills"] + 1
+    assert after["hbm.allocated_bytes"] == before["hbm.allocated_bytes"]
+    assert after["hbm.num_ooms"] == before["hbm.num_ooms"]  # a spill is no error
+    b.fill_(3)
+    assert b.sum().item() == 3 * 3 * MiB
+    del a, b
+
+
+def test_oom_error_message_state_and_recovery(hbm_capacity, host_capacity):
     used = stats()["hbm.allocated_bytes"]
     capacity = used + 8 * MiB
     superchip.set_capacity("hbm", capacity)
+    host_used = stats()["host.allocated_bytes"]
+    superchip.set_capacity("host", host_used + 2 * MiB)
     a = torch.empty(6 * MiB, dtype=torch.uint8, device=DEVICE)
     before = stats()
     with pytest.raises(torch.OutOfMemoryError) as exc:
         torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
     msg = str(exc.value)
-    assert "out of memory in tier 'hbm' of superchip:0" in msg, msg
+    assert "out of memory in both tiers of superchip:0" in msg, msg
     assert "tried to allocate 3.00 MiB" in msg, msg
-    assert f"capacity {_fmt_mib(capacity)}" in msg, msg
+    assert f"hbm: capacity {_fmt_mib(capacity)}" in msg, msg
     assert f"{_fmt_mib(used + 6 * MiB)} allocated by tensors" in msg, msg
-    assert "SUPERCHIP_HBM_BYTES" in msg, msg
+    assert "tier 'host'" in msg and f"capacity {_fmt_mib(host_used + 2 * MiB)}" in msg, msg
+    assert "SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES" in msg, msg
     assert isinstance(exc.value, RuntimeError)  # torch.OutOfMemoryError subclasses it
 
     after = stats()
     for key in before:
-        if key not in ("hbm.num_ooms", "hbm.reserved_bytes", "hbm.peak_reserved_bytes"):
+        if key not in ("host.num_ooms", "hbm.reserved_bytes", "hbm.peak_reserved_bytes",
+                       "host.reserved_bytes", "host.peak_reserved_bytes"):
             assert after[key] == before[key], key
-    assert after["hbm.num_ooms"] == before["hbm.num_ooms"] + 1
+    assert after["host.num_ooms"] == before["host.num_ooms"] + 1
     assert after["hbm.reserved_bytes"] <= before["hbm.reserved_bytes"]  # cache may be freed
     check_invariants(after)
+    superchip.set_capacity("host", host_capacity)
 
     del a
     b = torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)  # works again after freeing
@@ -300,11 +334,15 @@ def test_oom_error_message_state_and_recovery(hbm_capacity):
     del b, c
 
 
-def test_oom_from_an_op_output(hbm_capacity):
+def test_oom_from_an_op_output(hbm_capacity, host_capacity):
     used = stats()["hbm.allocated_bytes"]
     superchip.set_capacity("hbm", used + 4 * MiB)
     a = torch.ones(MiB // 4 * 3, device=DEVICE)  # 3 MiB
-    with pytest.raises(torch.OutOfMemoryError, match="tier 'hbm'"):
+    b = a * 2  # hbm is full: the output is charged to host
+    assert superchip.tier_of(b) == "host" and b[0].item() == 2.0
+    del b
+    superchip.set_capacity("host", stats()["host.allocated_bytes"] + MiB)
+    with pytest.raises(torch.OutOfMemoryError, match="both tiers"):
         a * 2
     torch.testing.assert_close(a[:5].cpu(), torch.ones(5))
     a.mul_(2)  # in-place needs no new memory

@@ -1,0 +1,145 @@
+"""Models larger than hbm (Note [Placement] in allocator/MemoryManager.cpp): `.to("superchip")`
+places weights in hbm up to its budget minus the activation reserve and the rest in host,
+allocations hbm cannot hold go to host, and only both tiers full is an error.
+
+Each case runs in a fresh process with a small SUPERCHIP_HBM_BYTES, so the budget holds for
+the process's whole life; the child prints one JSON line the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("transformers")
+
+_MODEL = textwrap.dedent("""
+    import json, torch, superchip
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def llama(tied=False):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64, tie_word_embeddings=tied)
+        return LlamaForCausalLM(cfg)
+
+    def param_bytes(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+""")
+
+
+def _run(body: str, hbm: str, host: str | None = None) -> dict:
+    env = dict(os.environ, SUPERCHIP_HBM_BYTES=hbm, SUPERCHIP_EXECUTOR="cpu")
+    if host is not None:
+        env["SUPERCHIP_HOST_BYTES"] = host
+    r = subprocess.run([sys.executable, "-c", _MODEL + textwrap.dedent(body)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+_TRAIN = """
+    import copy, sys
+    opt_name, ckpt = sys.argv[1:3] if len(sys.argv) > 2 else ("{opt}", {ckpt})
+    ref = llama()
+    budget = superchip.memory_stats()["hbm.capacity_bytes"]
+    model = copy.deepcopy(ref).to("superchip")
+    placed = superchip.memory_stats()
+    tiers = [superchip.tier_of(p) for p in model.parameters()]
+    if ckpt:
+        ref.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable()
+    ref.train(); model.train()
+    if opt_name == "sgd":
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+        o = superchip.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(4):
+        x = torch.randint(0, 512, (2, 48), generator=g)
+        l = ref(input_ids=x, labels=x).loss
+        l.backward(); o_ref.step(); o_ref.zero_grad()
+        ref_losses.append(l.item())
+        xs = x.to("superchip")
+        l = model(input_ids=xs, labels=xs).loss
+        l.backward(); o.step(); o.zero_grad()
+        losses.append(l.item())
+    torch.superchip.synchronize()
+    diff = max((a - b.cpu()).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    bitwise = all(torch.equal(a, b.cpu()) for a, b in zip(ref.parameters(), model.parameters()))
+    s = superchip.memory_stats()
+    print(json.dumps(dict(budget=budget, param_bytes=param_bytes(ref), placed_hbm=placed["hbm.allocated_bytes"],
+                          placed_host=placed["host.allocated_bytes"], n_host=tiers.count("host"),
+                          n_hbm=tiers.count("hbm"), losses=losses, ref_losses=ref_losses,
+                          bitwise=bitwise, max_diff=diff, peak_hbm=s["hbm.peak_allocated_bytes"],
+                          spills=s["host.num_spills"])))
+"""
+
+
+@pytest.mark.parametrize("opt,ckpt", [("sgd", False), ("sgd", True), ("adamw", False)],
+                         ids=["sgd", "sgd-checkpointing", "superchip-adamw"])
+def test_model_four_times_the_hbm_budget_trains_like_cpu(opt, ckpt):
+    # 2.6 MiB of fp32 weights (measured in the child) against a 640 KiB hbm budget.
+    r = _run(_TRAIN.replace("{opt}", opt).replace("{ckpt}", str(ckpt)), hbm="640K")
+    assert r["param_bytes"] >= 4 * r["budget"], r
+    # Placement: hbm holds weights up to its budget minus the reserve (20%), host the rest.
+    assert r["placed_hbm"] <= 0.8 * r["budget"] and r["n_hbm"] > 0 and r["n_host"] > 0, r
+    assert r["placed_hbm"] + r["placed_host"] >= r["param_bytes"], r
+    # Training: hbm never past its budget (the allocator's own peak), the rest spilled.
+    assert r["peak_hbm"] <= r["budget"] and r["spills"] > 0, r
+    if opt == "sgd":
+        assert r["losses"] == r["ref_losses"] and r["bitwise"], r
+    else:
+        for a, b in zip(r["losses"], r["ref_losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), r
+        assert r["max_diff"] <= 1e-5, r
+
+
+def test_both_tiers_full_names_both_and_changes_nothing():
+    r = _run("""
+        before = superchip.memory_stats()
+        try:
+            torch.empty(64 << 20, dtype=torch.uint8, device="superchip")
+            msg = None
+        except torch.OutOfMemoryError as e:
+            msg = str(e)
+        after = superchip.memory_stats()
+        keep = [k for k in before if not k.endswith(("num_ooms", "reserved_bytes"))]
+        print(json.dumps(dict(msg=msg, unchanged=all(before[k] == after[k] for k in keep))))
+    """, hbm="4M", host="16M")
+    msg = r["msg"]
+    assert msg is not None and "out of memory in both tiers of superchip:0" in msg, r
+    assert "tried to allocate 64.00 MiB" in msg and "hbm: capacity 4.00 MiB" in msg, r
+    assert "tier 'host'" in msg and "capacity 16.00 MiB" in msg, r
+    assert r["unchanged"], r
+
+
+def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
+    path = tmp_path / "sd.pt"
+    r = _run(f"""
+        m = llama(tied=True)
+        torch.save(m.state_dict(), {str(path)!r})
+        base = superchip.memory_stats()
+        sc = m.to("superchip")
+        s = superchip.memory_stats()
+        placed = (s["hbm.allocated_bytes"] - base["hbm.allocated_bytes"]) + (s["host.allocated_bytes"] - base["host.allocated_bytes"])
+        tied = sc.lm_head.weight is sc.model.embed_tokens.weight
+        sd = torch.load({str(path)!r}, map_location="superchip")
+        loaded_ok = all(torch.equal(v.cpu(), m.state_dict()[k].cpu()) for k, v in sd.items())
+        big = torch.empty(32 << 20, dtype=torch.uint8, device="superchip")  # 8x hbm: host
+        print(json.dumps(dict(param_bytes=param_bytes(m), placed=placed, tied=tied, loaded_ok=loaded_ok,
+                              big_tier=superchip.tier_of(big), devices=sorted({{v.device.type for v in sd.values()}}))))
+    """, hbm="4M")
+    assert r["tied"] and r["loaded_ok"] and r["devices"] == ["superchip"], r
+    # The tied matrix is one parameter: placed once (rounding adds at most 128 KiB a block).
+    assert r["param_bytes"] <= r["placed"] <= r["param_bytes"] + 64 * (128 << 10), r
+    assert r["big_tier"] == "host", r
