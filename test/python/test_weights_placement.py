@@ -127,6 +127,7 @@ def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
     path = tmp_path / "sd.pt"
     r = _run(f"""
         m = llama(tied=True)
+        orig = {{k: v.clone() for k, v in m.state_dict().items()}}
         torch.save(m.state_dict(), {str(path)!r})
         base = superchip.memory_stats()
         sc = m.to("superchip")
@@ -134,12 +135,23 @@ def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
         placed = (s["hbm.allocated_bytes"] - base["hbm.allocated_bytes"]) + (s["host.allocated_bytes"] - base["host.allocated_bytes"])
         tied = sc.lm_head.weight is sc.model.embed_tokens.weight
         sd = torch.load({str(path)!r}, map_location="superchip")
-        loaded_ok = all(torch.equal(v.cpu(), m.state_dict()[k].cpu()) for k, v in sd.items())
+        loaded_ok = all(torch.equal(v.cpu(), orig[k]) for k, v in sd.items())
+        # Inference under no_grad, eval mode, and a state_dict round trip on the placed model.
+        ref = llama(tied=True).eval()
+        sc.eval()
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            same_logits = torch.equal(ref(input_ids=x).logits, sc(input_ids=x.to("superchip")).logits.cpu())
+        sc.train()
+        sc.load_state_dict({{k: v + 1 for k, v in sc.state_dict().items()}})
+        roundtrip = all(torch.equal(v.cpu(), orig[k] + 1) for k, v in sc.state_dict().items())
         big = torch.empty(32 << 20, dtype=torch.uint8, device="superchip")  # 8x hbm: host
         print(json.dumps(dict(param_bytes=param_bytes(m), placed=placed, tied=tied, loaded_ok=loaded_ok,
+                              same_logits=same_logits, roundtrip=roundtrip,
                               big_tier=superchip.tier_of(big), devices=sorted({{v.device.type for v in sd.values()}}))))
     """, hbm="4M")
     assert r["tied"] and r["loaded_ok"] and r["devices"] == ["superchip"], r
+    assert r["same_logits"] and r["roundtrip"], r
     # The tied matrix is one parameter: placed once (rounding adds at most 128 KiB a block).
     assert r["param_bytes"] <= r["placed"] <= r["param_bytes"] + 64 * (128 << 10), r
     assert r["big_tier"] == "host", r
