@@ -235,17 +235,26 @@ def test_module_parameters_in_host_tier_still_train():
 # ---- capacity and out-of-memory ----
 
 
-@pytest.fixture
-def hbm_capacity():
-    """Restores the hbm capacity whatever the test did to it."""
-    old = stats()["hbm.capacity_bytes"]
+def _restored_capacity(tier):
+    """Yields the tier's capacity and restores it whatever the test did to it."""
+    old = stats()[f"{tier}.capacity_bytes"]
     try:
         yield old
     finally:
         gc.collect()
         superchip.empty_cache()
-        superchip.set_capacity("hbm", old)
-    assert stats()["hbm.capacity_bytes"] == old
+        superchip.set_capacity(tier, old)
+    assert stats()[f"{tier}.capacity_bytes"] == old
+
+
+@pytest.fixture
+def hbm_capacity():
+    yield from _restored_capacity("hbm")
+
+
+@pytest.fixture
+def host_capacity():
+    yield from _restored_capacity("host")
 
 
 def _fmt_mib(nbytes: int) -> str:
@@ -265,18 +274,6 @@ def test_set_capacity_reported_and_validated(hbm_capacity):
     superchip.set_capacity("hbm", 0)
     assert stats()["hbm.capacity_bytes"] == 0
     del keep
-
-
-@pytest.fixture
-def host_capacity():
-    """Restores the host capacity whatever the test did to it."""
-    old = stats()["host.capacity_bytes"]
-    try:
-        yield old
-    finally:
-        gc.collect()
-        superchip.empty_cache()
-        superchip.set_capacity("host", old)
 
 
 def test_full_hbm_spills_to_host(hbm_capacity):
