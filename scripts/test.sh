@@ -24,7 +24,7 @@ if [[ $part == all || $part == tsan ]]; then
   cmake --build build/tsan -j "$jobs" --target ops_tests engine_tests
   export TSAN_OPTIONS="halt_on_error=1 exitcode=66 ${TSAN_OPTIONS:-}"
   build/tsan/test/cpp/ops/ops_tests --gtest_brief=1 --gtest_filter='ThreadPool*:*ThreadPool*:*Undo*'
-  build/tsan/backend/engine_tests --gtest_brief=1
+  build/tsan/backend/engine_tests --gtest_brief=1 --gtest_repeat=10  # more interleavings
 fi
 
 if [[ $part == all || $part == aarch64 ]]; then

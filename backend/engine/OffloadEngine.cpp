@@ -12,8 +12,11 @@
 // a StorageImpl to the number of queued jobs that use it (and to a speculation hold, see the
 // header). Operators call wait_for_storage() for every superchip operand (executor_alias,
 // the one place every forwarded operand, copy and .item() passes); when nothing is pending it
-// costs one relaxed atomic load. The worker itself never waits (its jobs touch the storages
-// they are pending on).
+// costs one acquire load of active_ (a plain load on x86). Acquire, not relaxed: a reader that
+// sees 0 reads the bytes at once, so the worker's writes must happen-before it; every
+// decrement is a release, made after the job ran (ThreadSanitizer found the relaxed version,
+// which on Grace's weaker memory model could read a parameter mid-step). The worker itself
+// never waits (its jobs touch the storages they are pending on).
 //
 // Note [Engine and the GIL]
 // Since torch 2.10, a tensor or storage with a Python object keeps that object alive while C++
@@ -144,7 +147,7 @@ void OffloadEngine::finish(EngineJob& job, double seconds) {
     if (it == pending_.end()) continue;
     if (--it->second.jobs == 0 && !it->second.hold) {
       pending_.erase(it);
-      active_.fetch_sub(1, std::memory_order_relaxed);
+      active_.fetch_sub(1, std::memory_order_release);
     }
   }
   // The closure (and `touched`, `keep`) go whole to finished_: Note [Engine and the GIL].
@@ -196,7 +199,7 @@ void OffloadEngine::synchronize() {
 }
 
 void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
-  if (active_.load(std::memory_order_relaxed) == 0) {
+  if (active_.load(std::memory_order_acquire) == 0) {
     if (has_finished_.load(std::memory_order_relaxed)) release_finished();
     return;
   }
@@ -253,7 +256,7 @@ void OffloadEngine::drop_hold_locked(const SpeculationHold* hold) {
     has_finished_.store(true, std::memory_order_release);
     if (it->second.jobs == 0) {
       pending_.erase(it);
-      active_.fetch_sub(1, std::memory_order_relaxed);
+      active_.fetch_sub(1, std::memory_order_release);
     }
   }
 }
