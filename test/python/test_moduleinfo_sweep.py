@@ -24,6 +24,9 @@ Skips: only ``SKIPS`` below. PyTorch's module decorations do not carry over: its
 #115588 KLDivLoss) and those of ``test_memory_format`` PyTorch's own expectations of which
 memory format a module returns (losses, Linear, norms: "no channels_last support"); this
 sweep checks only that superchip does what CPU does, which holds for all of them.
+Every module input runs (no sampling); the cases are split round-robin by module over
+``SHARDS`` worker processes (``sweep_runner.py``; a case that kills its worker fails every
+check). About 60 s on 2 cores.
 ``test_moduleinfo_sweep_summary`` prints the counts per check and every failure, and asserts
 each check passes at least ``MIN_PASS_FRACTION`` of what it ran.
 """
@@ -42,18 +45,13 @@ import superchip  # noqa: F401
 
 from helpers import DEVICE
 from sweep_runner import run_shards, worker
-from test_opinfo_dtypes_sweep import _flat_tensors, _grad_outputs, _leaves
+from test_opinfo_dtypes_sweep import _LCE_AUTO, _flat_tensors, _grad_outputs, _leaves
 from test_opinfo_sweep import _compare
 
 SHARDS = 2
 MIN_PASS_FRACTION = 0.98
 CHECKS = ("forward", "backward", "memory_format")
 
-_LCE_AUTO = ("torch resolves LinearCrossEntropyOptions.acc_policy='auto' per device type in "
-             "Python: fp32 accumulation on cpu, fp16/bf16 accumulation (the 'compact' "
-             "fallback) on any other device, so superchip runs a different algorithm than "
-             "CPU and its low-precision gradients differ by a few ulp (the forward agrees "
-             "within tolerance)")
 # (module name, dtype name, check) -> reason: checks not made (test/README.md).
 SKIPS: dict[tuple[str, str, str], str] = {
     ("nn.LinearCrossEntropyLoss", "bfloat16", "backward"): _LCE_AUTO,
@@ -301,8 +299,10 @@ def test_moduleinfo_sweep_summary(tmp_path):
                 by_outcome[res[check][0]].append(uid)
         passed, failed = len(by_outcome["pass"]), len(by_outcome["fail"])
         rates[check] = (passed, passed + failed)
+        inputs = sum(int(results[uid][check][1].split()[0]) for uid in by_outcome["pass"])
         print(f"\nModuleInfo sweep, {check}: {passed} / {passed + failed} (module, dtype, mode)"
-              f" cases run pass ({passed / max(passed + failed, 1):.4f}); {failed} fail, "
+              f" cases run pass ({passed / max(passed + failed, 1):.4f}; {inputs} module inputs"
+              f" in the passing cases); {failed} fail, "
               f"{len(by_outcome['skip'])} skipped, {len(by_outcome['n/a'])} not applicable, "
               f"{len(results)} cases of {len(module_db)} modules")
         for outcome in ("fail", "skip"):
