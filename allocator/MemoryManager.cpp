@@ -84,6 +84,7 @@ MemoryManager::Placed MemoryManager::allocate_placed(size_t nbytes, size_t hbm_l
   if (under_limit) {
     if (void* p = impl_->hbm.try_allocate(nbytes)) return {p, Tier::kHbm};
   }
+  if (!host_placeable(nbytes)) return {impl_->hbm.allocate(nbytes), Tier::kHbm};  // may throw
   if (void* p = impl_->host.try_allocate(nbytes)) {
     impl_->spills.fetch_add(1, std::memory_order_relaxed);
     return {p, Tier::kHost};
@@ -124,6 +125,10 @@ void MemoryManager::throw_both_full(size_t nbytes, const OutOfTierMemory& host_e
                             format_bytes(nbytes) + "; " + hbm_part + "; and " + host_error.what() +
                             " Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES.",
                         Tier::kHost, nbytes);
+}
+
+bool MemoryManager::host_placeable(size_t nbytes) const noexcept {
+  return !impl_->config.pin_host || nbytes >= kMmapThreshold;
 }
 
 size_t MemoryManager::weights_limit() const noexcept {

@@ -94,6 +94,10 @@ class MemoryManager {
     Tier tier;
   };
   Placed allocate_placed(size_t nbytes, size_t hbm_limit = 0);
+  // Whether a block of nbytes may be placed in host for a kernel to read: always emulated;
+  // with a GPU only blocks the host backing pins (>= kMmapThreshold), since a GPU kernel
+  // cannot read unpinned host memory everywhere.
+  bool host_placeable(size_t nbytes) const noexcept;
   // The hbm_limit for weights: hbm capacity minus the activation reserve; 0 when hbm is
   // unlimited (no reserve to keep).
   size_t weights_limit() const noexcept;

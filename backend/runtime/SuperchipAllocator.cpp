@@ -255,7 +255,7 @@ void place_incoming_weights(c10::StorageImpl& storage) {
   MemoryManager& m = memory(device);
   const size_t limit = m.weights_limit();
   const size_t nbytes = storage.nbytes();
-  if (limit == 0 || nbytes == 0 || storage_tier(storage) != Tier::kHbm) return;
+  if (limit == 0 || nbytes == 0 || !m.host_placeable(nbytes) || storage_tier(storage) != Tier::kHbm) return;
   if (static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes) <= limit) return;
   if (storage_has_lease(storage)) return;  // a collective uses the bytes: leave them
   // Past the limit: the weights go to host, where allocate_placed() falls back anyway.

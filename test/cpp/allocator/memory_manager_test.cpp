@@ -487,3 +487,86 @@ TEST(MemoryManager, PinHostWorksWithoutGpu) {
 
 }  // namespace
 }  // namespace superchip
+
+// ---- Note [Placement]: allocate_placed, account_external_placed, weights_limit ----
+
+namespace superchip {
+namespace {
+
+TEST(Placement, HbmFirstThenHostCountedAsSpills) {
+  MemoryManager m(emulated(4 * kMiB));
+  const MemoryManager::Placed a = m.allocate_placed(3 * kMiB);
+  EXPECT_EQ(a.tier, Tier::kHbm);
+  const MemoryManager::Placed b = m.allocate_placed(2 * kMiB);  // hbm cannot hold it
+  EXPECT_EQ(b.tier, Tier::kHost);
+  EXPECT_EQ(m.tier_of(b.ptr), Tier::kHost);
+  EXPECT_EQ(m.stats(Tier::kHost).num_spills, 1);
+  EXPECT_EQ(m.stats(Tier::kHbm).num_ooms, 0);  // a spill is no error
+  std::memset(b.ptr, 1, 2 * kMiB);
+  m.free(a.ptr);
+  m.free(b.ptr);
+  m.reset_accumulated();
+  EXPECT_EQ(m.stats(Tier::kHost).num_spills, 0);
+}
+
+TEST(Placement, LimitKeepsTheReserveButIsOnlyAPreference) {
+  MemoryConfig c = emulated(10 * kMiB, 4 * kMiB);
+  c.hbm_reserve_fraction = 0.2;
+  MemoryManager m(c);
+  EXPECT_EQ(m.weights_limit(), 8 * kMiB);
+  const MemoryManager::Placed w1 = m.allocate_placed(6 * kMiB, m.weights_limit());
+  EXPECT_EQ(w1.tier, Tier::kHbm);
+  const MemoryManager::Placed w2 = m.allocate_placed(3 * kMiB, m.weights_limit());
+  EXPECT_EQ(w2.tier, Tier::kHost);  // past the limit: host has room
+  const MemoryManager::Placed w3 = m.allocate_placed(3 * kMiB, m.weights_limit());
+  EXPECT_EQ(w3.tier, Tier::kHbm);   // host full too: hbm past the limit beats failing
+  for (void* p : {w1.ptr, w2.ptr, w3.ptr}) m.free(p);
+  MemoryConfig bytes = emulated(10 * kMiB);
+  bytes.hbm_reserve_bytes = 3 * kMiB;
+  EXPECT_EQ(MemoryManager(bytes).weights_limit(), 7 * kMiB);
+  EXPECT_EQ(MemoryManager(emulated()).weights_limit(), 0u);  // unlimited hbm: no reserve
+}
+
+TEST(Placement, BothTiersFullNamesBothAndChangesNothing) {
+  MemoryManager m(emulated(4 * kMiB, 4 * kMiB));
+  void* a = m.allocate(3 * kMiB, Tier::kHbm);
+  void* b = m.allocate(3 * kMiB, Tier::kHost);
+  const TierStats hbm = m.stats(Tier::kHbm), host = m.stats(Tier::kHost);
+  try {
+    m.allocate_placed(2 * kMiB);
+    FAIL() << "no error";
+  } catch (const OutOfTierMemory& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of memory in both tiers of superchip:0: tried to allocate 2.00 MiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("hbm: capacity 4.00 MiB, 3.00 MiB allocated by tensors"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("tier 'host'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(m.stats(Tier::kHbm).allocated_bytes, hbm.allocated_bytes);
+  EXPECT_EQ(m.stats(Tier::kHost).allocated_bytes, host.allocated_bytes);
+  EXPECT_EQ(m.stats(Tier::kHost).num_ooms, host.num_ooms + 1);
+  EXPECT_THROW(m.account_external_placed(2 * kMiB), OutOfTierMemory);
+  EXPECT_EQ(m.account_external_placed(512 * kKiB), Tier::kHbm);
+  EXPECT_EQ(m.account_external_placed(1 * kMiB), Tier::kHost);
+  m.release_external(Tier::kHbm, 512 * kKiB);
+  m.release_external(Tier::kHost, 1 * kMiB);
+  m.free(a);
+  m.free(b);
+}
+
+TEST(Placement, WithPinnedHostOnlyPinnableBlocksGoToHost) {
+  MemoryConfig c = emulated(2 * kMiB);
+  c.pin_host = true;  // a GPU's kernels read host blocks: only the pinned (mmap) sizes qualify
+  MemoryManager m(c);
+  EXPECT_FALSE(m.host_placeable(64 * kKiB));
+  EXPECT_TRUE(m.host_placeable(2 * kMiB));
+  void* a = m.allocate(2 * kMiB, Tier::kHbm);
+  EXPECT_THROW(m.allocate_placed(64 * kKiB), OutOfTierMemory);  // hbm full, too small to pin
+  const MemoryManager::Placed big = m.allocate_placed(2 * kMiB);
+  EXPECT_EQ(big.tier, Tier::kHost);
+  m.free(big.ptr);
+  m.free(a);
+}
+
+}  // namespace
+}  // namespace superchip
