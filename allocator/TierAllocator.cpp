@@ -113,22 +113,22 @@ bool TierAllocator::free(void* ptr) noexcept {
 bool TierAllocator::try_account_external(size_t nbytes) {
   if (nbytes == 0) return true;
   std::lock_guard<std::mutex> lock(mutex_);
+  return account_locked(nbytes);
+}
+
+void TierAllocator::account_external(size_t nbytes) {
+  if (nbytes == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!account_locked(nbytes)) throw_oom(nbytes, nullptr);
+}
+
+bool TierAllocator::account_locked(size_t nbytes) {
   if (nbytes > kMaxRequest || !make_room(nbytes)) return false;
   grow(as_i64(nbytes), as_i64(nbytes), as_i64(nbytes));
   stats_.external_bytes += as_i64(nbytes);
   external_accounts_++;
   stats_.num_allocs++;
   return true;
-}
-
-void TierAllocator::account_external(size_t nbytes) {
-  if (nbytes == 0) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (nbytes > kMaxRequest || !make_room(nbytes)) throw_oom(nbytes, nullptr);
-  grow(as_i64(nbytes), as_i64(nbytes), as_i64(nbytes));
-  stats_.external_bytes += as_i64(nbytes);
-  external_accounts_++;
-  stats_.num_allocs++;
 }
 
 void TierAllocator::release_external(size_t nbytes) noexcept {

@@ -93,6 +93,7 @@ class TierAllocator {
   // All private helpers expect mutex_ to be held.
   // Throws OutOfTierMemory unless `bytes` more can be reserved, releasing cache if needed.
   void* allocate_impl(size_t nbytes, bool quiet);
+  bool account_locked(size_t nbytes);  // under mutex_: false (nothing changed) when over budget
   // False (nothing changed) when the budget cannot hold `bytes` even with the cache released.
   bool make_room(size_t bytes);
   [[noreturn]] void throw_oom(size_t requested, const char* reason);
