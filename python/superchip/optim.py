@@ -196,14 +196,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         engine = getattr(self, "_engine", None)
+        stop = False
         if engine is not None and engine.overlap:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group = dict(param_group, params=params)
             # Checked before the group is added, so an error changes nothing.
-            if not _all_superchip(params, "overlap=True" if self._overlap_explicit else None):
-                engine.stop()  # a CPU parameter joins a default-on engine: the plain step
+            stop = not _all_superchip(params, "overlap=True" if self._overlap_explicit else None)
         super().add_param_group(param_group)
+        if stop:
+            engine.stop()  # a CPU parameter joined a default-on engine: the plain step
         if engine is not None and engine.overlap:
             engine.add_hooks(self.param_groups[-1]["params"])
             engine.buckets = []
