@@ -23,8 +23,6 @@ as not passing) pass.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import warnings
 
@@ -36,6 +34,7 @@ import superchip  # noqa: F401
 
 from cpu_overrides import sweep_mark
 from helpers import DEVICE
+from sweep_runner import run_shards, worker
 from tolerances import SWEEP_TOLERANCES, tol
 
 MAX_SAMPLES = 4
@@ -193,48 +192,24 @@ def _check_samples(op, name: str, dtype) -> tuple[str, str]:
     return "pass", f"{ran} samples"
 
 
-def _worker(start: int, out_path: str) -> None:
-    """Checks op_db[start:], appending one JSON line per op (flushed, so a crash loses nothing)."""
-    import faulthandler
-    faulthandler.enable()
-    with open(out_path, "a") as out:
-        for index in range(start, len(op_db)):
-            op = op_db[index]
-            out.write(json.dumps({"index": index, "name": _op_id(op), "started": True}) + "\n")
-            out.flush()
-            outcome, detail = check_op(op)
-            out.write(json.dumps({"index": index, "name": _op_id(op), "outcome": outcome,
-                                  "detail": detail}) + "\n")
-            out.flush()
+SHARDS = 2
+
+
+def _units(shard: int) -> list:
+    """This shard's ops of op_db, round-robin, in a fixed order: [(op id, op_db index)]."""
+    return [(_op_id(op), i) for i, op in enumerate(op_db) if i % SHARDS == shard]
+
+
+def _check_unit(index: int):
+    return check_op(op_db[index])
 
 
 def run_sweep(tmp_path) -> dict[str, tuple[str, str]]:
-    """Runs the sweep in child processes; an op that kills its process is a failure ("crash")
-    and the sweep goes on from the next op in a fresh process."""
-    out_path = tmp_path / "sweep.jsonl"
-    results: dict[str, tuple[str, str]] = {}
-    start = 0
-    while start < len(op_db):
-        proc = subprocess.run([sys.executable, __file__, str(start), str(out_path)],
-                              capture_output=True, text=True)
-        last_started = None
-        if not out_path.exists():
-            raise RuntimeError(f"sweep worker failed to start:\n{proc.stderr[-3000:]}")
-        for line in out_path.read_text().splitlines():
-            rec = json.loads(line)
-            if "outcome" in rec:
-                results[rec["name"]] = (rec["outcome"], rec["detail"])
-            else:
-                last_started = rec
-        if proc.returncode == 0:
-            break
-        if last_started is None or last_started["name"] in results:
-            raise RuntimeError(f"sweep worker died outside an op:\n{proc.stderr[-3000:]}")
-        fatal = [line for line in proc.stderr.splitlines() if line.startswith("Fatal Python")]
-        results[last_started["name"]] = (
-            "fail", f"crashed the process (exit {proc.returncode}): {(fatal or [''])[0]}")
-        start = last_started["index"] + 1
-    return results
+    """Runs the sweep in worker processes (sweep_runner.py); an op that kills its process is a
+    failure ("crash") and its shard goes on from the next op in a fresh process."""
+    results = run_shards(__file__, SHARDS, tmp_path, tag="ops",
+                         crash_result=lambda msg: ("fail", msg))
+    return {name: tuple(res) for name, res in results.items()}
 
 
 def test_cpu_decorations_carry_over():
@@ -307,4 +282,4 @@ def test_opinfo_sweep_summary(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), sys.argv[2])
+    worker(_units(int(sys.argv[1])), _check_unit, int(sys.argv[2]), sys.argv[3])
