@@ -68,6 +68,15 @@ MemoryManager::~MemoryManager() = default;
 
 void* MemoryManager::allocate(size_t nbytes, Tier tier) { return impl_->tier(tier).allocate(nbytes); }
 
+void* MemoryManager::try_allocate(size_t nbytes, Tier tier) noexcept {
+  if (nbytes == 0) return nullptr;
+  try {
+    return impl_->tier(tier).try_allocate(nbytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 // Note [Placement]
 // Tensors that may live in either tier (every allocation the superchip allocator makes for
 // an operator, a factory or a copy onto the device) go to hbm while it has room, then to host:

@@ -85,6 +85,9 @@ class MemoryManager {
   // fitting block is free. nbytes == 0 returns nullptr and changes no statistic.
   // Throws OutOfTierMemory when the tier's budget cannot hold it after empty_cache().
   void* allocate(size_t nbytes, Tier tier);
+  // As allocate(), but nullptr instead of an error when the tier cannot hold nbytes (no error
+  // counted, nothing changed): for a caller with a fallback (the weight streamer's staging).
+  void* try_allocate(size_t nbytes, Tier tier) noexcept;
   // A block for a tensor that may live in either tier (Note [Placement] in MemoryManager.cpp):
   // in hbm while it can hold nbytes without hbm's allocated bytes passing `hbm_limit`
   // (0 = the capacity), else in host (a spill, counted in host's num_spills), else in hbm past

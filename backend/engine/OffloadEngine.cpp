@@ -129,6 +129,12 @@ void OffloadEngine::worker_loop() {
       err = std::current_exception();
     }
     const double secs = seconds_since(t0);
+    // The job may have written these: the weight streamer's copies of them are stale (Note
+    // [Staged copies and writes] in stream/WeightStreamer.cpp). Outside mu_: the hook's lock
+    // is taken before mu_ elsewhere.
+    if (auto hook = written_hook_.load(std::memory_order_acquire)) {
+      for (const auto& s : item.second.touched) hook(s.get());
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (err && !error_) error_ = err;
@@ -232,6 +238,14 @@ void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
     stats_[owner].exposed_seconds += seconds_since(t0);
   }
   release_finished();
+}
+
+void OffloadEngine::set_written_hook(WrittenHook hook) { written_hook_.store(hook, std::memory_order_release); }
+
+bool OffloadEngine::is_pending(const c10::StorageImpl* s) {
+  if (active_.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.count(s) != 0;
 }
 
 void OffloadEngine::hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages,

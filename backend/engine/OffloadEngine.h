@@ -73,6 +73,12 @@ class OffloadEngine {
   void synchronize();
   // Called for every operand of an operator: returns at once when nothing is pending.
   void wait_for_storage(const c10::StorageImpl* s);
+  // Called on the worker, outside the engine's lock, for each storage of a job after it ran
+  // (the weight streamer drops its staged copies of them). noexcept; nullptr: none.
+  using WrittenHook = void (*)(const c10::StorageImpl*) noexcept;
+  void set_written_hook(WrittenHook hook);
+  // Whether a queued job or a hold covers `s` now (the weight streamer's prefetch skips it).
+  bool is_pending(const c10::StorageImpl* s);
   // Marks `storages` speculative until submit_replacing_hold() ends the hold; a reader first
   // triggers hold->rollback().
   void hold(std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages,
@@ -115,6 +121,7 @@ class OffloadEngine {
   bool stop_ = false;
   std::atomic<int64_t> active_{0};      // pending entries: the fast path reads only this
   std::atomic<bool> has_finished_{false};
+  std::atomic<WrittenHook> written_hook_{nullptr};
   std::thread worker_;
 };
 

@@ -15,6 +15,7 @@
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
+#include "backend/stream/WeightStreamer.h"
 
 namespace superchip {
 namespace {
@@ -46,7 +47,7 @@ void alias_release(void* ctx) noexcept {
 
 c10::StorageImpl* aliased_superchip_storage(const c10::Storage& s) {
   const c10::DataPtr& dp = s.data_ptr();
-  if (dp.get_deleter() != &alias_release) return nullptr;
+  if (dp.get_deleter() != &alias_release) return WeightStreamer::source_of(dp);
   return static_cast<c10::StorageImpl*>(dp.get_context());
 }
 
@@ -373,24 +374,43 @@ c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
   c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
   // An optimizer step still pending on these bytes finishes first (Note [Pending storages]).
   OffloadEngine::get().wait_for_storage(si);
+  WeightStreamer& streamer = WeightStreamer::get();
+  const bool streaming = streamer.active();
+  // A write makes any staged copy of a weight stale (Note [Staged copies and writes]).
+  if (access == Access::kWrite && streaming) streamer.note_written(si);
   const c10::Device device = executor_device(t.device().index());
   for (Shared& s : storages_) {
     if (s.superchip != si) continue;
     if (access == Access::kWrite && !s.writable) {
-      // Note [Copy-on-write operands]: materialize, then re-point the shared storage.
+      // Note [Copy-on-write operands]: materialize, then re-point the shared storage. A
+      // storage read from a staged copy of a weight is re-pointed at the weight's own bytes.
       const void* shared = si->data();
-      if (si->mutable_data() != shared) {
+      if (si->mutable_data() != shared || s.staged) {
         s.executor.unsafeGetStorageImpl()->set_data_ptr_noswap(alias_data_ptr(si, access, device));
       }
       s.writable = true;
+      s.staged = false;
     }
     return s.executor;
   }
+  // A weight that lives in host is read from its copy in hbm (stream/WeightStreamer.h).
+  c10::DataPtr staged = access == Access::kRead && streaming ? streamer.read(si, device) : c10::DataPtr();
+  const bool is_staged = staged.get() != nullptr;
   c10::Storage storage(c10::Storage::use_byte_size_t(), si->nbytes(),
-                       alias_data_ptr(si, access, device), executor_allocator(),
-                       /*resizable=*/true);
-  storages_.push_back({si, storage, access == Access::kWrite});
+                       is_staged ? std::move(staged) : alias_data_ptr(si, access, device),
+                       executor_allocator(), /*resizable=*/true);
+  storages_.push_back({si, storage, access == Access::kWrite, is_staged});
   return storage;
+}
+
+AliasSet::~AliasSet() {
+  // Writes have ended (or, for a one-operand alias handed to asynchronous work, begun):
+  // copies staged meanwhile are stale.
+  WeightStreamer& streamer = WeightStreamer::get();
+  if (!streamer.active()) return;
+  for (const Shared& s : storages_) {
+    if (s.writable) streamer.note_written(s.superchip);
+  }
 }
 
 at::Tensor AliasSet::alias(const at::Tensor& t, Access access) {

@@ -25,6 +25,11 @@ enum class Access { kRead, kWrite };
 // see what they see on CPU; one superchip tensor gets one alias tensor.
 class AliasSet {
  public:
+  AliasSet() = default;
+  AliasSet(const AliasSet&) = delete;
+  AliasSet& operator=(const AliasSet&) = delete;
+  ~AliasSet();
+
   // An executor tensor over the bytes of superchip tensor `t` (same sizes, strides, offset,
   // dtype, conj/neg/zero bits). Undefined in, undefined out.
   at::Tensor alias(const at::Tensor& t, Access access);
@@ -34,6 +39,7 @@ class AliasSet {
     c10::StorageImpl* superchip;  // not owned: the executor storage's DataPtr holds a reference
     c10::Storage executor;
     bool writable;
+    bool staged;  // reads a staged copy of a weight (stream/WeightStreamer.h)
   };
   c10::Storage executor_storage(const at::Tensor& t, Access access);
   std::vector<Shared> storages_;

@@ -16,6 +16,7 @@
 #include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
+#include "backend/stream/WeightStreamer.h"
 
 namespace superchip::native {
 namespace {
@@ -148,6 +149,8 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
       dst.is_non_overlapping_and_dense() &&
       static_cast<size_t>(dst.numel()) * dst.element_size() == dst.storage().nbytes()) {
     place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
+    // Floating-point, so integer batches (token ids, labels) are never taken for weights.
+    if (dst.is_floating_point()) WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl());
   }
   // One AliasSet: a source overlapping the destination is seen as on CPU.
   AliasSet aliases;

@@ -11,6 +11,7 @@
 #include "allocator/Topology.h"
 #include "backend/engine/OffloadEngine.h"
 #include "backend/runtime/Runtime.h"
+#include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "ops/cpu/ThreadPool.h"
 
@@ -66,6 +67,10 @@ class HostOperand {
   void* data() const { return host_.data_ptr(); }
   void write_back() {
     if (staged_ && written_) original_.copy_(host_);
+    // The kernel wrote the bytes directly: a staged copy of this weight is stale.
+    if (written_ && original_.device().type() == c10::DeviceType::PrivateUse1) {
+      WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
+    }
   }
 
  private:

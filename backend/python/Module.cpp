@@ -24,6 +24,7 @@ namespace py = pybind11;
 namespace superchip {
 
 void bind_engine(py::module& m);  // EngineModule.cpp
+void bind_stream(py::module& m);  // StreamModule.cpp
 
 namespace {
 
@@ -256,4 +257,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_leased_storage_count", [] { return leased_storage_count(); });
   m.def("_topology", [] { return Topology::get().describe(); });
   bind_engine(m);
+  bind_stream(m);
 }

@@ -15,6 +15,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "allocator/Topology.h"
+#include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/StorageLease.h"
 
@@ -317,6 +318,7 @@ void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
   const size_t nbytes = storage.nbytes();
   c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet
   if (nbytes > 0) memory(device).copy(fresh.get(), storage.data(), nbytes);
+  WeightStreamer::get().note_written(&storage);
   // The old DataPtr is released when `old` leaves scope, after the swap.
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
 }
@@ -331,6 +333,7 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
   if (keep > 0 && storage.data() != nullptr) memory(device).copy(fresh.get(), storage.data(), keep);
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
   storage.set_nbytes(nbytes);
+  WeightStreamer::get().note_written(&storage);
 }
 
 // ---- SuperchipAllocator ----

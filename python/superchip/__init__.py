@@ -94,7 +94,8 @@ def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
 
 
 def empty_cache() -> None:
-    """Returns the cached, unused blocks of every tier to the system."""
+    """Returns the cached, unused blocks of every tier to the system (staged weights too)."""
+    _C._stream_release()
     _C._empty_cache()
 
 
@@ -109,6 +110,67 @@ def set_capacity(tier: str, nbytes: int, device=None) -> None:
         raise ValueError(f"tier must be 'hbm' or 'host', got {tier!r}")
     _C._set_capacity(_index(device), tier, int(nbytes))
 
+
+def set_streaming(enabled: bool) -> None:
+    """Turns weight streaming on or off (``SUPERCHIP_STREAM=0`` starts with it off).
+
+    On, kernels read weights that live in ``host`` from copies staged in ``hbm`` ahead of use,
+    following a plan learned from the first pass; off, they read them in place. Results are the
+    same bits either way.
+    """
+    _C._stream_set_enabled(bool(enabled))
+
+
+def stream_stats() -> dict:
+    """Cumulative weight-streaming counters (see ``backend/stream/WeightStreamer.h``).
+
+    Integer keys: staged_copies, staged_bytes, prefetched, hits, prefetch_waits, staged_at_use,
+    in_place_reads, invalidated, mispredictions, plans, staging_bytes, staging_peak_bytes; float
+    key copy_seconds. :func:`reset_stream_stats` zeroes them.
+    """
+    return _C._stream_stats()
+
+
+def reset_stream_stats() -> None:
+    """Zeroes the counters of :func:`stream_stats` (the staging peak becomes the bytes staged now)."""
+    _C._stream_reset_stats()
+
+
+def weights_plan(model: torch.nn.Module | None = None) -> dict:
+    """The weight-streaming plan: which weights are streamed, in which order, with what budget.
+
+    Keys: ``state`` ("off", "idle", "recording", "streaming", "unplanned"), ``mode`` ("stage":
+    copied into hbm ahead of use; "in_place": kernels read host memory directly), ``version``
+    (plans made so far), ``streamed_bytes`` (distinct bytes streamed per pass),
+    ``hbm_capacity`` (the budget planned for), ``activation_peak_bytes`` (what activations and
+    gradients took, in both tiers, measured while recording), ``staging_budget`` (the staging
+    arena reserved in hbm), ``prefetch_depth`` (upcoming reads kept
+    staged), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
+    order, with ``bytes``, ``streamed`` (in host, staged ahead of use; else stationary in hbm)
+    and, when ``model`` is given, ``names`` (the parameters and buffers
+    of ``model`` over that storage; tied weights list every name).
+    """
+    plan = dict(_C._stream_plan())
+    names: dict[int, list[str]] = {}
+    if model is not None:
+        tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        for name, t in tensors:
+            if t.device.type == "superchip":
+                names.setdefault(t.untyped_storage()._cdata, []).append(name)
+    plan["order"] = [{"bytes": int(n), "streamed": bool(streamed),
+                      **({"names": names.get(key, [])} if model is not None else {})}
+                     for key, n, streamed in plan["order"]]
+    return plan
+
+
+def _apply_stream_plan(optimizer, args, kwargs) -> None:
+    # Between operators: the plan's demotions and its staging arena (WeightStreamer::apply).
+    _C._stream_apply()
+
+
+from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
+
+_register_step_post_hook(_apply_stream_plan)
 
 # Last: registration reads the functions above (executor()).
 _inductor.register_if_inductor_loaded()

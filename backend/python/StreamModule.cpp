@@ -1,0 +1,59 @@
+// superchip._C bindings of the weight streamer (backend/stream/): thin argument conversion.
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+#include "backend/stream/WeightStreamer.h"
+
+namespace py = pybind11;
+
+namespace superchip {
+
+void bind_stream(py::module& m) {
+  m.def("_stream_stats", [] {
+    const StreamStats s = WeightStreamer::get().stats();
+    py::dict d;
+    d["staged_copies"] = s.staged_copies;
+    d["staged_bytes"] = s.staged_bytes;
+    d["prefetched"] = s.prefetched;
+    d["hits"] = s.hits;
+    d["prefetch_waits"] = s.prefetch_waits;
+    d["staged_at_use"] = s.staged_at_use;
+    d["in_place_reads"] = s.in_place_reads;
+    d["invalidated"] = s.invalidated;
+    d["mispredictions"] = s.mispredictions;
+    d["plans"] = s.plans;
+    d["staging_bytes"] = s.staging_bytes;
+    d["staging_peak_bytes"] = s.staging_peak_bytes;
+    d["copy_seconds"] = s.copy_seconds;
+    return d;
+  });
+  m.def("_stream_reset_stats", [] { WeightStreamer::get().reset_stats(); });
+  m.def("_stream_plan", [] {
+    const StreamPlan p = WeightStreamer::get().plan();
+    py::dict d;
+    d["state"] = p.state;
+    d["mode"] = p.mode;
+    d["version"] = p.version;
+    py::list order;
+    for (const StreamPlanEntry& e : p.order) {
+      order.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
+    }
+    d["order"] = order;
+    d["streamed_bytes"] = p.streamed_bytes;
+    d["hbm_capacity"] = p.hbm_capacity;
+    d["activation_peak_bytes"] = p.activation_peak_bytes;
+    d["staging_budget"] = p.staging_budget;
+    d["demoted"] = p.demoted;
+    d["prefetch_depth"] = p.prefetch_depth;
+    d["copy_bytes_per_s"] = p.copy_bytes_per_s;
+    return d;
+  });
+  m.def("_stream_set_enabled", [](bool on) { WeightStreamer::get().set_enabled(on); });
+  m.def("_stream_enabled", [] { return WeightStreamer::get().enabled(); });
+  m.def("_stream_apply", [] { WeightStreamer::get().apply(); });
+  m.def("_stream_replan", [] { WeightStreamer::get().replan(); });
+  m.def("_stream_release", [] { WeightStreamer::get().release_staging(); });
+}
+
+}  // namespace superchip

@@ -1,0 +1,862 @@
+#include "backend/stream/WeightStreamer.h"
+
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include "backend/engine/OffloadEngine.h"
+#include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipAllocator.h"
+
+// Note [Streaming plan]
+// Reads are observed per weight storage, consecutive reads of one storage counting once, so one
+// training step reads, e.g., embed, q0, k0, ..., lm_head(=embed when tied), ..., k0, q0 (the
+// backward reads the weights again, in reverse). Recording appends reads to a trace until a
+// pair of consecutive reads (prev, cur) comes back: the trace from the first occurrence of that
+// pair on is one period (a step, or a forward when only inference runs), and becomes the order.
+// Pairs, not single weights, so a tied weight read in the middle of a pass does not end it.
+// While streaming, the cursor follows the order; a read that does not match the next
+// position is found again by its pair (or, failing that, its first position) and counted as a
+// misprediction. The plan is redone (recording again) when:
+//  - the hbm budget differs from the one the plan was made for;
+//  - a planned weight died (a new model);
+//  - a weight outside the order is read in two different periods (it persists: a new weight);
+//  - more than a quarter of a period's reads were mispredicted (the order changed), at most
+//    three times in a row (after that it stops planning: "unplanned", copies at use).
+// Budget: staging may use hbm's capacity minus the peak that everything else (stationary
+// weights, activations, gradients, optimizer state) reached during recording, minus 1/32 of
+// the capacity as a margin. The prefetch depth is the number of upcoming reads whose distinct
+// copies fit in half of that budget (the other half holds the copies being released and the
+// one in use); copies that leave the window [cursor, cursor + depth] are released at once.
+//
+// Note [Staged copies and writes]
+// A staged copy is used only when no write to its weight began after the copy was issued.
+// Every write path marks the copy stale: a kernel given the storage to write (AliasSet, when it
+// aliases it and again when the call ends), engine jobs (after they ran, on the worker), the
+// fused optimizer, tier moves and resizes. Prefetch skips weights with an engine job pending
+// (the step of the previous iteration still running); the read then waits for the job
+// (wait_for_storage) and copies at use.
+
+namespace superchip {
+namespace {
+
+constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
+constexpr size_t kMaxTrace = size_t{1} << 20;
+constexpr int kMaxReplansInRow = 3;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- the copier: the emulated side stream ----
+
+struct CopyTicket {
+  bool done = false;  // under Copier::mu_
+};
+
+class Copier {
+ public:
+  Copier() : thread_([this] { loop(); }) {}
+
+  std::shared_ptr<CopyTicket> issue(MemoryManager* mm, void* dst, const void* src, size_t n) {
+    auto t = std::make_shared<CopyTicket>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({mm, dst, src, n, t});
+    }
+    work_cv_.notify_one();
+    return t;
+  }
+
+  // Returns true when it had to wait.
+  bool wait(CopyTicket& t) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (t.done) return false;
+    done_cv_.wait(lock, [&] { return t.done; });
+    return true;
+  }
+
+  double seconds() const { return seconds_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Job {
+    MemoryManager* mm;
+    void* dst;
+    const void* src;
+    size_t n;
+    std::shared_ptr<CopyTicket> ticket;
+  };
+
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return !queue_.empty(); });
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const double t0 = now_seconds();
+      job.mm->copy(job.dst, job.src, job.n);
+      const double dt = now_seconds() - t0;
+      double cur = seconds_.load(std::memory_order_relaxed);
+      while (!seconds_.compare_exchange_weak(cur, cur + dt, std::memory_order_relaxed)) {
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        job.ticket->done = true;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<Job> queue_;
+  std::atomic<double> seconds_{0.0};
+  std::thread thread_;
+};
+
+// ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
+
+class Arena {
+ public:
+  Arena(MemoryManager* mm, void* base, size_t size) : mm_(mm), base_(static_cast<char*>(base)), size_(size) {
+    free_.emplace(0, size);
+  }
+  ~Arena() { mm_->free(base_); }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  size_t size() const { return size_; }
+
+  void* allocate(size_t n) {
+    n = round(n);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < n) continue;
+      const size_t off = it->first;
+      const size_t rest = it->second - n;
+      free_.erase(it);
+      if (rest > 0) free_.emplace(off + n, rest);
+      return base_ + off;
+    }
+    return nullptr;
+  }
+
+  void release(void* p, size_t n) noexcept {
+    n = round(n);
+    size_t off = static_cast<size_t>(static_cast<char*>(p) - base_);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto next = free_.lower_bound(off);
+    if (next != free_.end() && off + n == next->first) {
+      n += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        off = prev->first;
+        n += prev->second;
+        free_.erase(prev);
+      }
+    }
+    free_.emplace(off, n);
+  }
+
+ private:
+  static size_t round(size_t n) { return (n + 255) & ~size_t{255}; }
+  std::mutex mu_;
+  MemoryManager* mm_;
+  char* base_;
+  size_t size_;
+  std::map<size_t, size_t> free_;  // offset -> bytes
+};
+
+// ---- staged copies ----
+
+struct Entry {
+  c10::intrusive_ptr<c10::StorageImpl> source;  // created and released on operator threads
+  const void* src_ptr = nullptr;
+  size_t nbytes = 0;
+  MemoryManager* mm = nullptr;
+  std::shared_ptr<Arena> arena;  // the block is in it, or (no arena) a block of mm's hbm
+  void* block = nullptr;
+  bool stale = false;
+  bool prefetched = false;
+  std::shared_ptr<CopyTicket> ticket;  // null once known done
+  Copier* copier = nullptr;
+
+  ~Entry() {
+    if (ticket) copier->wait(*ticket);  // the copier may still be writing the block
+    if (block == nullptr) return;
+    if (arena) arena->release(block, nbytes);
+    else mm->free(block);
+  }
+};
+
+struct StagedUse {
+  std::shared_ptr<Entry> entry;
+};
+
+void staged_release(void* ctx) noexcept { delete static_cast<StagedUse*>(ctx); }
+
+struct PairHash {
+  size_t operator()(const std::pair<const void*, const void*>& p) const noexcept {
+    const auto a = reinterpret_cast<uintptr_t>(p.first);
+    const auto b = reinterpret_cast<uintptr_t>(p.second);
+    return std::hash<uintptr_t>()(a * 0x9E3779B97F4A7C15ULL ^ (b + (a << 6) + (a >> 2)));
+  }
+};
+using PairKey = std::pair<const void*, const void*>;
+
+enum class State { kIdle, kRecording, kStreaming, kUnplanned };
+
+const char* state_name(State s) {
+  switch (s) {
+    case State::kIdle:
+      return "idle";
+    case State::kRecording:
+      return "recording";
+    case State::kStreaming:
+      return "streaming";
+    case State::kUnplanned:
+      return "unplanned";
+  }
+  return "?";
+}
+
+bool env_enabled() {
+  const char* v = std::getenv("SUPERCHIP_STREAM");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s(v);
+  if (s == "0" || s == "false" || s == "off") return false;
+  if (s == "1" || s == "true" || s == "on") return true;
+  TORCH_CHECK(false, "SUPERCHIP_STREAM=", s, " is not understood: use 1 (stream weights that live "
+              "in host through hbm, the default) or 0 (kernels read them in place).");
+}
+
+}  // namespace
+
+struct WeightStreamer::Impl {
+  std::mutex mu;
+  bool enabled = true;
+  std::atomic<bool> active{false};
+  Copier copier;
+
+  // Weights (identity -> liveness).
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> weights;
+  size_t purge_at = 1024;
+
+  State state = State::kIdle;
+  const c10::StorageImpl* last = nullptr;
+
+  // Recording.
+  std::vector<const c10::StorageImpl*> trace;
+  std::vector<size_t> trace_bytes;
+  std::unordered_map<PairKey, size_t, PairHash> trace_pairs;
+  size_t rec_base = 0;  // both tiers' allocated bytes when recording began
+  size_t rec_peak = 0;  // their peak while recording, staging excluded
+
+  // The plan.
+  struct Item {
+    const c10::StorageImpl* s;
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+    size_t nbytes;
+  };
+  std::vector<Item> order;
+  std::unordered_map<PairKey, size_t, PairHash> pairs;
+  std::unordered_map<const c10::StorageImpl*, size_t> first;
+  size_t cursor = 0;
+  int depth = 0;
+  size_t streamed_bytes = 0;
+  size_t staging_budget = 0;
+  size_t plan_capacity = 0;
+  size_t activation_peak = 0;
+  std::shared_ptr<Arena> arena;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;  // applied by apply()
+  int64_t demoted = 0;
+  int64_t version = 0;
+  int64_t period = 0;  // periods completed while streaming
+  size_t period_reads = 0;
+  size_t period_misses = 0;
+  int replans_in_row = 0;
+  std::unordered_map<const c10::StorageImpl*, int64_t> unknown_seen;  // -> period first read
+
+  std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Entry>> staged;
+  std::vector<std::shared_ptr<Entry>> graveyard;  // released on an operator thread
+  StreamStats st;
+  double sync_copy_seconds = 0.0;
+
+  MemoryManager& mm() { return memory(current_device()); }
+
+  size_t hbm_capacity() { return static_cast<size_t>(mm().stats(Tier::kHbm).capacity_bytes); }
+
+  void start_recording() {
+    state = State::kRecording;
+    trace.clear();
+    trace_bytes.clear();
+    trace_pairs.clear();
+    rec_peak = 0;
+    rec_base = both_tiers_allocated();
+    arena.reset();  // freed when its last staged copy goes
+    order.clear();
+    pairs.clear();
+    first.clear();
+    unknown_seen.clear();
+    depth = 0;
+  }
+
+  size_t both_tiers_allocated() {
+    MemoryManager& m = mm();
+    const auto total = static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes + m.stats(Tier::kHost).allocated_bytes);
+    const auto staging = static_cast<size_t>(st.staging_bytes);
+    return total > staging ? total - staging : 0;
+  }
+
+  void allocate_arena() {
+    if (arena || staging_budget == 0) return;
+    if (void* base = mm().try_allocate(staging_budget, Tier::kHbm)) {
+      arena = std::make_shared<Arena>(&mm(), base, staging_budget);
+    }
+  }
+
+  void sample_peak() { rec_peak = std::max(rec_peak, both_tiers_allocated()); }
+
+  void make_plan(size_t from) {
+    order.clear();
+    pairs.clear();
+    first.clear();
+    for (size_t i = from; i < trace.size(); ++i) {
+      auto w = weights.find(trace[i]);
+      c10::weak_intrusive_ptr<c10::StorageImpl> weak =
+          w != weights.end() ? w->second : c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                               c10::intrusive_ptr<c10::StorageImpl>());
+      order.push_back({trace[i], std::move(weak), trace_bytes[i]});
+    }
+    for (size_t k = 0; k < order.size(); ++k) {
+      const c10::StorageImpl* prev = order[(k + order.size() - 1) % order.size()].s;
+      pairs.emplace(PairKey(prev, order[k].s), k);
+      first.emplace(order[k].s, k);
+    }
+    plan_capacity = hbm_capacity();
+    activation_peak = rec_peak > rec_base ? rec_peak - rec_base : 0;
+    arena.reset();
+    demote.clear();
+    // Streamed: the weights in host. Stationary: those in hbm; while hbm has too little free
+    // room for the smallest useful staging (the two largest consecutive streamed reads), the
+    // largest stationary weights are demoted to host (at the next safe point: apply()).
+    std::unordered_set<const c10::StorageImpl*> streamed;
+    std::vector<const Item*> stationary;
+    {
+      std::unordered_set<const c10::StorageImpl*> seen;
+      for (const Item& it : order) {
+        if (!seen.insert(it.s).second) continue;
+        if (in_host(it.s)) streamed.insert(it.s);
+        else stationary.push_back(&it);
+      }
+    }
+    std::sort(stationary.begin(), stationary.end(),
+              [](const Item* a, const Item* b) { return a->nbytes > b->nbytes; });
+    const auto hbm_used = static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes) -
+                          std::min(static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes),
+                                   static_cast<size_t>(st.staging_bytes));
+    const size_t margin = plan_capacity / 32;
+    size_t freed = 0;
+    size_t next_demote = 0;
+    for (;;) {
+      streamed_bytes = 0;
+      for (const Item& it : order) {
+        if (streamed.count(it.s) && first[it.s] == static_cast<size_t>(&it - order.data())) {
+          streamed_bytes += it.nbytes + 256;
+        }
+      }
+      size_t least = 0;
+      for (size_t k = 0; k < order.size(); ++k) {
+        const Item& a = order[k];
+        const Item& b = order[(k + 1) % order.size()];
+        size_t bytes = streamed.count(a.s) ? a.nbytes + 256 : 0;
+        if (b.s != a.s && streamed.count(b.s)) bytes += b.nbytes + 256;
+        least = std::max(least, bytes);
+      }
+      if (plan_capacity == 0) {
+        staging_budget = streamed_bytes;
+        break;
+      }
+      const size_t avail = plan_capacity + freed;
+      const size_t free_now = avail > hbm_used + margin ? avail - hbm_used - margin : 0;
+      if (free_now >= least || next_demote == stationary.size()) {
+        // Room for the activations' measured peak first, then for staging, at least `least`.
+        size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
+        staging_budget = std::min(std::min(std::max(want, least), streamed_bytes), free_now);
+        break;
+      }
+      const Item* d = stationary[next_demote++];
+      streamed.insert(d->s);
+      demote.push_back(d->weak);
+      freed += d->nbytes;
+    }
+    demoted = static_cast<int64_t>(demote.size());
+    if (demote.empty()) allocate_arena();
+    // Depth: upcoming reads whose distinct streamed copies fit in the arena with the one in use.
+    depth = 0;
+    if (streamed_bytes <= staging_budget) {
+      depth = static_cast<int>(order.size()) - 1;
+    } else {
+      std::unordered_set<const c10::StorageImpl*> window;
+      for (size_t start = 0; start < order.size(); ++start) {
+        window.clear();
+        size_t bytes = 0;
+        int d = 0;
+        for (size_t k = 0; k < order.size(); ++k) {
+          const Item& it = order[(start + k) % order.size()];
+          if (streamed.count(it.s) && window.insert(it.s).second) bytes += it.nbytes + 256;
+          if (bytes > staging_budget) break;
+          d = static_cast<int>(k);
+        }
+        depth = start == 0 ? d : std::min(depth, d);
+        if (depth == 0) break;
+      }
+    }
+    version++;
+    st.plans++;
+    period = 0;
+    period_reads = 0;
+    period_misses = 0;
+    trace.clear();
+    trace_bytes.clear();
+    trace_pairs.clear();
+    state = State::kStreaming;
+  }
+
+  // Records one (collapsed) read; may turn the trace into a plan.
+  void record(const c10::StorageImpl* prev, const c10::StorageImpl* s, size_t nbytes) {
+    sample_peak();
+    if (prev != nullptr) {
+      auto it = trace_pairs.find(PairKey(prev, s));
+      if (it != trace_pairs.end() && trace.size() - it->second >= 2) {
+        make_plan(it->second);
+        cursor = 0;  // order[0] is s
+        return;
+      }
+    }
+    trace.push_back(s);
+    trace_bytes.push_back(nbytes);
+    if (prev != nullptr) trace_pairs.emplace(PairKey(prev, s), trace.size() - 1);
+    if (trace.size() >= kMaxTrace) {
+      state = State::kUnplanned;
+      trace.clear();
+      trace_bytes.clear();
+      trace_pairs.clear();
+    }
+  }
+
+  void replan_or_give_up() {
+    if (++replans_in_row > kMaxReplansInRow) {
+      state = State::kUnplanned;
+      order.clear();
+      pairs.clear();
+      first.clear();
+      depth = 0;
+    } else {
+      start_recording();
+    }
+  }
+
+  // Follows the plan with one (collapsed) read. Returns false when the plan was dropped.
+  bool follow(const c10::StorageImpl* prev, const c10::StorageImpl* s) {
+    if (hbm_capacity() != plan_capacity) {
+      replans_in_row = 0;
+      start_recording();
+      return false;
+    }
+    const size_t n = order.size();
+    const size_t next = (cursor + 1) % n;
+    size_t pos;
+    if (order[next].s == s) {
+      pos = next;
+    } else {
+      auto p = pairs.find(PairKey(prev, s));
+      auto f = first.find(s);
+      if (p == pairs.end() && f == first.end()) {
+        // A weight outside the plan: a new one if it keeps being read (Note [Streaming plan]).
+        auto [u, inserted] = unknown_seen.emplace(s, period);
+        if (!inserted && u->second != period) {
+          replans_in_row = 0;
+          start_recording();
+          return false;
+        }
+        return true;
+      }
+      st.mispredictions++;
+      period_misses++;
+      pos = p != pairs.end() ? p->second : f->second;
+    }
+    if (pos <= cursor && !(pos == cursor && n == 1)) {
+      // Wrapped: a period ended.
+      period++;
+      if (period_reads > 0 && period_misses * 4 > period_reads) {
+        replan_or_give_up();
+        return false;
+      }
+      if (period_misses == 0) replans_in_row = 0;
+      period_reads = 0;
+      period_misses = 0;
+    }
+    period_reads++;
+    cursor = pos;
+    return true;
+  }
+
+  bool valid(const Entry& e, const c10::StorageImpl* s) const {
+    return !e.stale && e.src_ptr == s->data() && e.nbytes == s->nbytes();
+  }
+
+  // Drops staged copies outside the window (unless a kernel still uses them).
+  void release_outside_window() {
+    std::unordered_set<const c10::StorageImpl*> window;
+    if (state == State::kStreaming && !order.empty()) {
+      for (int k = 0; k <= depth; ++k) window.insert(order[(cursor + k) % order.size()].s);
+    } else if (last != nullptr) {
+      window.insert(last);
+    }
+    for (auto it = staged.begin(); it != staged.end();) {
+      if (window.count(it->first) == 0 && it->second.use_count() == 1) {
+        drop(it->second);
+        it = staged.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void drop(std::shared_ptr<Entry>& e) {
+    st.staging_bytes -= static_cast<int64_t>(e->nbytes);
+    graveyard.push_back(std::move(e));
+  }
+
+  // A fresh copy of `s` in hbm, or nullptr when hbm cannot hold it.
+  std::shared_ptr<Entry> stage(c10::StorageImpl* s, bool async) {
+    MemoryManager& m = mm();
+    const size_t n = s->nbytes();
+    void* block = arena ? arena->allocate(n) : m.try_allocate(n, Tier::kHbm);
+    if (block == nullptr) return nullptr;
+    auto e = std::make_shared<Entry>();
+    e->arena = arena;
+    e->source = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
+    e->src_ptr = s->data();
+    e->nbytes = n;
+    e->mm = &m;
+    e->block = block;
+    e->copier = &copier;
+    e->prefetched = async;
+    if (async) {
+      e->ticket = copier.issue(&m, block, e->src_ptr, n);
+      st.prefetched++;
+    } else {
+      RECORD_FUNCTION("superchip::stage_weight", std::vector<c10::IValue>());
+      const double t0 = now_seconds();
+      m.copy(block, e->src_ptr, n);
+      sync_copy_seconds += now_seconds() - t0;
+    }
+    st.staged_copies++;
+    st.staged_bytes += static_cast<int64_t>(n);
+    st.staging_bytes += static_cast<int64_t>(n);
+    st.staging_peak_bytes = std::max(st.staging_peak_bytes, st.staging_bytes);
+    return e;
+  }
+
+  bool in_host(const c10::StorageImpl* s) const {
+    return s->data() != nullptr && storage_tier(*s) == Tier::kHost;
+  }
+
+  // Issues copies for the window ahead of the cursor. False when a planned weight died.
+  bool prefetch() {
+    if (state != State::kStreaming || order.empty()) return true;
+    size_t budget_used = static_cast<size_t>(st.staging_bytes);
+    for (int k = 1; k <= depth; ++k) {
+      const Item& it = order[(cursor + k) % order.size()];
+      auto found = staged.find(it.s);
+      if (found != staged.end() && valid(*found->second, it.s)) continue;
+      if (it.weak.expired()) return false;
+      // Alive: the weak reference keeps the address from being reused, and some tensor holds
+      // a strong one, which stage() copies on this (operator) thread.
+      auto* s = const_cast<c10::StorageImpl*>(it.s);
+      if (!in_host(s) || s->nbytes() != it.nbytes) continue;
+      if (OffloadEngine::get().is_pending(s)) continue;
+      if (budget_used + it.nbytes > staging_budget) break;  // the arena's free list decides too
+      if (found != staged.end()) {
+        if (found->second.use_count() > 1) continue;  // in use: replaced after the kernel
+        drop(found->second);
+        staged.erase(found);
+      }
+      std::shared_ptr<Entry> e = stage(s, /*async=*/true);
+      if (!e) break;
+      budget_used += it.nbytes;
+      staged.emplace(it.s, std::move(e));
+    }
+    return true;
+  }
+
+  void maybe_purge_weights() {
+    if (weights.size() < purge_at) return;
+    for (auto it = weights.begin(); it != weights.end();) {
+      if (it->second.expired()) it = weights.erase(it);
+      else ++it;
+    }
+    purge_at = std::max<size_t>(1024, weights.size() * 2);
+  }
+};
+
+WeightStreamer& WeightStreamer::get() {
+  static WeightStreamer* s = new WeightStreamer();  // leaked: see impl_
+  return *s;
+}
+
+WeightStreamer::WeightStreamer() : impl_(new Impl()) {
+  impl_->enabled = env_enabled();
+  OffloadEngine::get().set_written_hook(
+      [](const c10::StorageImpl* s) noexcept { WeightStreamer::get().note_written(s); });
+}
+
+bool WeightStreamer::active() const noexcept { return impl_->active.load(std::memory_order_acquire); }
+
+bool WeightStreamer::enabled() const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->enabled;
+}
+
+void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
+  if (storage.nbytes() < kMinBytes) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->maybe_purge_weights();
+  auto it = impl_->weights.find(&storage);
+  if (it == impl_->weights.end() || it->second.expired()) {
+    impl_->weights.insert_or_assign(&storage, c10::weak_intrusive_ptr<c10::StorageImpl>(
+        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)));
+  }
+  if (impl_->enabled) impl_->active.store(true, std::memory_order_release);
+}
+
+c10::StorageImpl* WeightStreamer::source_of(const c10::DataPtr& staged) noexcept {
+  if (staged.get_deleter() != &staged_release) return nullptr;
+  return static_cast<StagedUse*>(staged.get_context())->entry->source.get();
+}
+
+c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_device) {
+  // The engine's worker reads in place: entries hold storages, which only operator threads
+  // may reference (Note [Engine and the GIL]).
+  if (!active() || executor() != Executor::kCpu || OffloadEngine::on_worker()) return {};
+  std::vector<std::shared_ptr<Entry>> dead;
+  c10::DataPtr result;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    Impl& d = *impl_;
+    if (!d.enabled) return {};
+    auto w = d.weights.find(s);
+    if (w == d.weights.end() || s->nbytes() < kMinBytes) return {};
+    // Every weight's reads make the order (stationary ones too: the plan may demote them);
+    // only those in host are staged.
+    const bool host = d.in_host(s);
+    if (s != d.last) {
+      const c10::StorageImpl* prev = d.last;
+      d.last = s;
+      switch (d.state) {
+        case State::kIdle:
+          d.start_recording();
+          d.record(prev, s, s->nbytes());
+          break;
+        case State::kRecording:
+          d.record(prev, s, s->nbytes());
+          break;
+        case State::kStreaming:
+          if (!d.follow(prev, s)) d.record(nullptr, s, s->nbytes());
+          break;
+        case State::kUnplanned:
+          break;
+      }
+      d.release_outside_window();
+    }
+    if (!host) {
+      if (!d.prefetch()) d.start_recording();
+      dead.swap(d.graveyard);
+      return {};
+    }
+    // The copy for this read.
+    std::shared_ptr<Entry> e;
+    auto found = d.staged.find(s);
+    if (found != d.staged.end() && d.valid(*found->second, s)) {
+      e = found->second;
+      d.st.hits++;
+      if (e->ticket) {
+        RECORD_FUNCTION("superchip::wait_weight", std::vector<c10::IValue>());
+        if (d.copier.wait(*e->ticket)) d.st.prefetch_waits++;
+        e->ticket.reset();
+      }
+    } else {
+      if (found != d.staged.end()) {
+        if (found->second.use_count() == 1) d.drop(found->second);
+        else d.st.staging_bytes -= static_cast<int64_t>(found->second->nbytes);  // leaves with its last use
+        d.staged.erase(found);
+      }
+      e = d.stage(s, /*async=*/false);
+      if (e) {
+        d.st.staged_at_use++;
+        d.staged.emplace(s, e);
+      } else {
+        d.st.in_place_reads++;
+      }
+    }
+    if (!d.prefetch()) {
+      // A planned weight died: a new model (Note [Streaming plan]).
+      d.replans_in_row = 0;
+      d.start_recording();
+    }
+    if (e) {
+      auto* use = new StagedUse{e};
+      result = c10::DataPtr(e->block, use, &staged_release, executor_device);
+    }
+    dead.swap(d.graveyard);
+  }
+  // `dead` releases its copies (and their storages) here: an operator thread, no lock held.
+  return result;
+}
+
+void WeightStreamer::note_written(const c10::StorageImpl* s) noexcept {
+  if (!active()) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->staged.find(s);
+  if (it == impl_->staged.end()) return;
+  it->second->stale = true;
+  impl_->st.invalidated++;
+  if (it->second.use_count() == 1) {
+    impl_->drop(it->second);
+  } else {
+    impl_->st.staging_bytes -= static_cast<int64_t>(it->second->nbytes);
+  }
+  impl_->staged.erase(it);
+}
+
+void WeightStreamer::set_enabled(bool enabled) {
+  std::vector<std::shared_ptr<Entry>> dead;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->enabled = enabled;
+    if (!enabled) {
+      impl_->active.store(false, std::memory_order_release);
+      for (auto& [s, e] : impl_->staged) {
+        impl_->st.staging_bytes -= static_cast<int64_t>(e->nbytes);
+        dead.push_back(std::move(e));
+      }
+      impl_->staged.clear();
+      impl_->state = State::kIdle;
+      impl_->last = nullptr;
+      impl_->start_recording();
+      impl_->state = State::kIdle;
+    } else if (!impl_->weights.empty()) {
+      impl_->active.store(true, std::memory_order_release);
+    }
+    for (auto& e : impl_->graveyard) dead.push_back(std::move(e));
+    impl_->graveyard.clear();
+  }
+}
+
+void WeightStreamer::apply() {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    demote.swap(impl_->demote);
+  }
+  for (const auto& w : demote) {
+    c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
+    if (!s) continue;
+    OffloadEngine::get().wait_for_storage(s.get());
+    try {
+      move_storage_to_tier(*s, Tier::kHost);
+    } catch (const std::exception&) {
+      // host is full or a collective holds the bytes: the weight stays in hbm.
+    }
+  }
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->state == State::kStreaming) impl_->allocate_arena();
+}
+
+void WeightStreamer::replan() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->replans_in_row = 0;
+  impl_->last = nullptr;
+  impl_->start_recording();
+  impl_->state = State::kIdle;
+}
+
+void WeightStreamer::release_staging() {
+  std::vector<std::shared_ptr<Entry>> dead;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (auto it = impl_->staged.begin(); it != impl_->staged.end();) {
+      if (it->second.use_count() == 1) {
+        impl_->drop(it->second);
+        it = impl_->staged.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    dead.swap(impl_->graveyard);
+  }
+}
+
+StreamStats WeightStreamer::stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  StreamStats s = impl_->st;
+  s.copy_seconds = impl_->copier.seconds() + impl_->sync_copy_seconds;
+  return s;
+}
+
+void WeightStreamer::reset_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const int64_t in_use = impl_->st.staging_bytes;
+  impl_->st = StreamStats();
+  impl_->st.staging_bytes = in_use;
+  impl_->st.staging_peak_bytes = in_use;
+  impl_->sync_copy_seconds = 0.0;
+}
+
+StreamPlan WeightStreamer::plan() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const Impl& d = *impl_;
+  StreamPlan p;
+  p.state = d.enabled ? state_name(d.state) : "off";
+  p.mode = executor() == Executor::kCpu ? "stage" : "in_place";
+  p.version = d.version;
+  for (const auto& it : d.order) {
+    p.order.push_back({it.s, it.nbytes, !it.weak.expired() && d.in_host(it.s)});
+  }
+  p.demoted = d.demoted;
+  p.streamed_bytes = d.streamed_bytes;
+  p.hbm_capacity = d.plan_capacity;
+  p.activation_peak_bytes = d.activation_peak;
+  p.staging_budget = d.staging_budget;
+  p.prefetch_depth = d.depth;
+  const double secs = d.copier.seconds() + d.sync_copy_seconds;
+  p.copy_bytes_per_s = secs > 0 ? static_cast<double>(d.st.staged_bytes) / secs : 0.0;
+  return p;
+}
+
+}  // namespace superchip

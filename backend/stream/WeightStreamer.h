@@ -1,0 +1,125 @@
+// WeightStreamer: weights that live in `host` are read by kernels from a copy staged in `hbm`
+// ahead of their use (DESIGN.md "Adaptive weight offloading": weight-flow).
+//
+// Contract:
+//  - A cache, never a second source of truth. A kernel reads either the host bytes of a weight
+//    or a bitwise copy of them made after the last write to them; which one never changes a
+//    result. Writes always go to the host bytes (a kernel that writes a weight is given the
+//    host bytes; a staged copy of it is dropped).
+//  - Streamed: storages marked as weights (floating-point tensors copied in from the CPU as a
+//    whole: .to("superchip"), torch.load(map_location=...), load_state_dict) that are in `host`
+//    when a kernel reads them. Everything else is read in place, as before.
+//  - Record, plan, stream (Note [Streaming plan] in WeightStreamer.cpp): the first pass over
+//    the weights records the order of their reads (forward, then backward, collapsed) and how
+//    much memory the pass's activations and gradients take; the plan is that order, a staging
+//    arena reserved in hbm (what hbm has free less that measured peak, at least the two largest
+//    consecutive streamed reads) and the prefetch window the arena allows. When hbm has too
+//    little free for that least arena, the plan demotes the largest stationary weights to host
+//    (applied between operators: apply()), so they are streamed too. While streaming, each read
+//    advances a cursor through the order, stages the next weights of the window ahead of use
+//    (a copier thread in emulated mode) and releases staged copies that left the window. The
+//    plan is redone when the hbm budget changes, a planned weight dies, a new weight keeps
+//    being read, or reads stop following the order.
+//  - Staging memory comes from the `hbm` tier (accounted in its statistics, never past its
+//    budget): the arena once planned, single blocks while recording. When neither can hold a
+//    copy, the kernel reads the host bytes in place.
+//  - Writes that bypass the forwarding layer (fused optimizer steps, engine jobs, tier moves)
+//    call note_written() after they wrote; a copy begun before a write ends is never used.
+//  - GIL (Note [Engine and the GIL]): the copier thread touches raw pointers only; staged
+//    entries, which hold a strong reference to their weight's storage, are created and
+//    destroyed on operator threads, never under the streamer's lock.
+//  - CUDA executor: kernels read host weights in place (zero-copy over the pinned mapping);
+//    staging through a side stream is not built yet, and the plan reports mode "in_place".
+// Thread-safety: every member may be called from any thread.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace superchip {
+
+struct StreamStats {
+  int64_t staged_copies = 0;       // host -> hbm copies made (prefetched or at use)
+  int64_t staged_bytes = 0;        // bytes of those copies
+  int64_t prefetched = 0;          // copies issued ahead of use
+  int64_t hits = 0;                // reads served by a copy staged before the read
+  int64_t prefetch_waits = 0;      // of those, reads that waited for the copy to finish
+  int64_t staged_at_use = 0;       // reads that had to copy first (no usable prefetch)
+  int64_t in_place_reads = 0;      // streamed weights read in place: hbm could not hold a copy
+  int64_t invalidated = 0;         // staged copies dropped because their weight was written
+  int64_t mispredictions = 0;      // reads that did not follow the planned order
+  int64_t plans = 0;               // plans made
+  int64_t staging_bytes = 0;       // hbm held by staged copies now
+  int64_t staging_peak_bytes = 0;  // max of staging_bytes since the last reset
+  double copy_seconds = 0.0;       // time spent copying (copier and at-use)
+};
+
+struct StreamPlanEntry {
+  const c10::StorageImpl* storage;  // identity only (Python maps it to parameter names)
+  size_t nbytes;
+  bool streamed;                    // in host now (staged ahead of use), else stationary in hbm
+};
+
+struct StreamPlan {
+  std::string state;   // "off", "idle" (nothing streamed yet), "recording", "streaming", "unplanned"
+  std::string mode;    // "stage" (copy into hbm ahead of use) or "in_place" (kernels read host)
+  int64_t version = 0;                // plans made so far; the current one is number `version`
+  std::vector<StreamPlanEntry> order;  // weight reads of one pass, in order (a weight may
+                                       // appear twice), stationary ones included
+  size_t streamed_bytes = 0;           // distinct bytes of the streamed weights in `order`
+  size_t hbm_capacity = 0;             // the budget the plan was made for (0 = unlimited)
+  size_t activation_peak_bytes = 0;    // peak growth of both tiers while recording (activations,
+                                       // gradients), staging excluded
+  size_t staging_budget = 0;           // the staging arena: hbm reserved for staged copies
+  int prefetch_depth = 0;              // upcoming reads kept staged (fits the budget)
+  int64_t demoted = 0;                 // stationary weights this plan moved to host
+  double copy_bytes_per_s = 0.0;       // measured staging copy rate (0 before any copy)
+};
+
+class WeightStreamer {
+ public:
+  static WeightStreamer& get();
+
+  // Marks `storage` as a weight (see above). Cheap; called by copy_ for whole-storage copies
+  // of floating-point tensors from the CPU.
+  void mark_weight(c10::StorageImpl& storage);
+  // For a superchip storage a kernel is about to read: a DataPtr (device `executor_device`)
+  // over a staged copy, or an empty DataPtr to read in place. Call after the engine's
+  // wait_for_storage(). The DataPtr pins the copy until it is released.
+  c10::DataPtr read(c10::StorageImpl* storage, c10::Device executor_device);
+  // `storage` was (or is about to be) written outside a staged read: drop its staged copy.
+  void note_written(const c10::StorageImpl* storage) noexcept;
+  // The weight storage behind a DataPtr returned by read(), else nullptr.
+  static c10::StorageImpl* source_of(const c10::DataPtr& staged) noexcept;
+  // Whether read() may return a staged copy at all (fast path for operators).
+  bool active() const noexcept;
+
+  // SUPERCHIP_STREAM=0 starts disabled. Disabling drops every staged copy and the plan.
+  void set_enabled(bool enabled);
+  bool enabled() const noexcept;
+  // Applies what the plan decided but an operator could not do: demotes the stationary weights
+  // it chose to stream (so the staging arena fits) and reserves the arena. Call between
+  // operators, from a thread that may hold the GIL (Python's optimizer step hook does).
+  void apply();
+  // Forgets the plan: the next reads record again.
+  void replan();
+  // Waits for copies in flight and releases every staged copy not in use.
+  void release_staging();
+
+  StreamStats stats();
+  void reset_stats();
+  StreamPlan plan();
+
+ private:
+  WeightStreamer();
+  struct Impl;
+  Impl* impl_;  // leaked with the streamer: the copier thread outlives every static
+};
+
+}  // namespace superchip
