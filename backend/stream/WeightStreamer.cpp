@@ -27,10 +27,13 @@
 // Note [Streaming plan]
 // Reads are observed per weight storage, consecutive reads of one storage counting once, so one
 // training step reads, e.g., embed, q0, k0, ..., lm_head(=embed when tied), ..., k0, q0 (the
-// backward reads the weights again, in reverse). Recording appends reads to a trace until a
-// pair of consecutive reads (prev, cur) comes back: the trace from the first occurrence of that
-// pair on is one period (a step, or a forward when only inference runs), and becomes the order.
-// Pairs, not single weights, so a tied weight read in the middle of a pass does not end it.
+// backward reads the weights again, in reverse). Recording appends reads to a trace until the
+// trace ends with the same L reads twice in a row, for an L proposed by a pair of consecutive
+// reads (prev, cur) that came back after L reads: those L reads are one period (a step, or a
+// forward when only inference runs) and become the order; the plan begins with the third pass.
+// Pairs, not single weights, so a tied weight read twice in a pass does not end it; two equal
+// stretches, not one recurrence, so activation checkpointing (each layer's forward runs again
+// in backward) does not either.
 // While streaming, the cursor follows the order; a read that does not match the next
 // position is found again by its pair (or, failing that, its first position) and counted as a
 // misprediction. The plan is redone (recording again) when:
@@ -271,7 +274,7 @@ struct WeightStreamer::Impl {
   // Recording.
   std::vector<const c10::StorageImpl*> trace;
   std::vector<size_t> trace_bytes;
-  std::unordered_map<PairKey, size_t, PairHash> trace_pairs;
+  std::unordered_map<PairKey, std::vector<size_t>, PairHash> trace_pairs;  // -> positions of the 2nd
   size_t rec_base = 0;  // both tiers' allocated bytes when recording began
   size_t rec_peak = 0;  // their peak while recording, staging excluded
 
@@ -381,11 +384,14 @@ struct WeightStreamer::Impl {
     const size_t margin = plan_capacity / 32;
     size_t freed = 0;
     size_t next_demote = 0;
+    size_t need = 0;  // the streamed copies' arena bytes
     for (;;) {
+      need = 0;
       streamed_bytes = 0;
       for (const Item& it : order) {
         if (streamed.count(it.s) && first[it.s] == static_cast<size_t>(&it - order.data())) {
-          streamed_bytes += it.nbytes + 256;
+          need += it.nbytes + 256;
+          streamed_bytes += it.nbytes;
         }
       }
       size_t least = 0;
@@ -397,7 +403,7 @@ struct WeightStreamer::Impl {
         least = std::max(least, bytes);
       }
       if (plan_capacity == 0) {
-        staging_budget = streamed_bytes;
+        staging_budget = need;
         break;
       }
       const size_t avail = plan_capacity + freed;
@@ -405,7 +411,7 @@ struct WeightStreamer::Impl {
       if (free_now >= least || next_demote == stationary.size()) {
         // Room for the activations' measured peak first, then for staging, at least `least`.
         size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
-        staging_budget = std::min(std::min(std::max(want, least), streamed_bytes), free_now);
+        staging_budget = std::min(std::min(std::max(want, least), need), free_now);
         break;
       }
       const Item* d = stationary[next_demote++];
@@ -417,7 +423,7 @@ struct WeightStreamer::Impl {
     if (demote.empty()) allocate_arena();
     // Depth: upcoming reads whose distinct streamed copies fit in the arena with the one in use.
     depth = 0;
-    if (streamed_bytes <= staging_budget) {
+    if (need <= staging_budget) {
       depth = static_cast<int>(order.size()) - 1;
     } else {
       std::unordered_set<const c10::StorageImpl*> window;
@@ -451,15 +457,25 @@ struct WeightStreamer::Impl {
     sample_peak();
     if (prev != nullptr) {
       auto it = trace_pairs.find(PairKey(prev, s));
-      if (it != trace_pairs.end() && trace.size() - it->second >= 2) {
-        make_plan(it->second);
-        cursor = 0;  // order[0] is s
-        return;
+      if (it != trace_pairs.end()) {
+        // Each earlier position of this pair proposes a period L; it is one when the last two
+        // stretches of L reads are equal (Note [Streaming plan]).
+        const size_t n = trace.size();
+        for (auto pos = it->second.rbegin(); pos != it->second.rend(); ++pos) {
+          const size_t len = n - *pos;
+          if (len < 2 || 2 * len > n) continue;
+          if (std::equal(trace.begin() + static_cast<std::ptrdiff_t>(n - len), trace.end(),
+                         trace.begin() + static_cast<std::ptrdiff_t>(n - 2 * len))) {
+            make_plan(n - len);
+            cursor = 0;  // order[0] is s
+            return;
+          }
+        }
       }
     }
     trace.push_back(s);
     trace_bytes.push_back(nbytes);
-    if (prev != nullptr) trace_pairs.emplace(PairKey(prev, s), trace.size() - 1);
+    if (prev != nullptr) trace_pairs[PairKey(prev, s)].push_back(trace.size() - 1);
     if (trace.size() >= kMaxTrace) {
       state = State::kUnplanned;
       trace.clear();

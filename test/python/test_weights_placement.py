@@ -77,7 +77,10 @@ _TRAIN = """
     diff = max((a - b.cpu()).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
     bitwise = all(torch.equal(a, b.cpu()) for a, b in zip(ref.parameters(), model.parameters()))
     s = superchip.memory_stats()
-    print(json.dumps(dict(budget=budget, param_bytes=param_bytes(ref), placed_hbm=placed["hbm.allocated_bytes"],
+    st = superchip.stream_stats()
+    plan = superchip.weights_plan(model)
+    plan.pop("order")
+    print(json.dumps(dict(stream=st, plan=plan, budget=budget, param_bytes=param_bytes(ref), placed_hbm=placed["hbm.allocated_bytes"],
                           placed_host=placed["host.allocated_bytes"], n_host=tiers.count("host"),
                           n_hbm=tiers.count("hbm"), losses=losses, ref_losses=ref_losses,
                           bitwise=bitwise, max_diff=diff, peak_hbm=s["hbm.peak_allocated_bytes"],
