@@ -1,6 +1,7 @@
 """Models larger than hbm (Note [Placement] in allocator/MemoryManager.cpp): `.to("superchip")`
 places weights in hbm up to its budget minus the activation reserve and the rest in host,
-allocations hbm cannot hold go to host, and only both tiers full is an error.
+allocations hbm cannot hold go to host, and only both tiers full is an error; weights in host
+are streamed through hbm (stream/WeightStreamer.h) with the same results.
 
 Each case runs in a fresh process with a small SUPERCHIP_HBM_BYTES, so the budget holds for
 the process's whole life; the child prints one JSON line the test asserts on.
@@ -99,6 +100,14 @@ def test_model_four_times_the_hbm_budget_trains_like_cpu(opt, ckpt):
     assert r["placed_hbm"] + r["placed_host"] >= r["param_bytes"], r
     # Training: hbm never past its budget (the allocator's own peak), the rest spilled.
     assert r["peak_hbm"] <= r["budget"] and r["spills"] > 0, r
+    # Streaming (stream/WeightStreamer.h): two passes recorded, one plan, then the host weights
+    # are read from copies staged ahead of use in an arena the plan reserved in hbm (made room
+    # for by demoting stationary weights), with hbm still within its budget.
+    st, plan = r["stream"], r["plan"]
+    assert plan["state"] == "streaming" and plan["version"] == 1 and st["plans"] == 1, r
+    assert 0 < plan["staging_budget"] <= r["budget"] and plan["demoted"] > 0, r
+    assert st["prefetched"] > 0 and st["hits"] > 0 and st["staged_bytes"] > 0, r
+    assert st["staging_peak_bytes"] <= plan["staging_budget"], r
     if opt == "sgd":
         assert r["losses"] == r["ref_losses"] and r["bitwise"], r
     else:
@@ -158,3 +167,79 @@ def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
     # The tied matrix is one parameter: placed once (rounding adds at most 128 KiB a block).
     assert r["param_bytes"] <= r["placed"] <= r["param_bytes"] + 64 * (128 << 10), r
     assert r["big_tier"] == "host", r
+
+
+_STREAM = """
+    import copy
+    def train(model, opt, steps, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        losses = []
+        for _ in range(steps):
+            x = torch.randint(0, 512, (2, 48), generator=g)
+            if next(model.parameters()).device.type == "superchip":
+                x = x.to("superchip")
+            l = model(input_ids=x, labels=x).loss
+            l.backward(); opt.step(); opt.zero_grad()
+            losses.append(l.item())
+        return losses
+"""
+
+
+def test_streaming_plan_tied_weights_writes_and_replanning():
+    r = _run(textwrap.dedent(_STREAM) + textwrap.dedent("""
+        ref = llama(tied=True)
+        model = copy.deepcopy(ref).to("superchip")
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        same = train(ref, o_ref, 4) == train(model, o, 4)
+        plan = superchip.weights_plan(model)
+        tied = [e for e in plan["order"] if "lm_head.weight" in e["names"]]
+        host_bytes = sum(p.numel() * 4 for p in model.parameters() if superchip.tier_of(p) == "host")
+        # Inference in eval mode, then writes between passes (forwarded in-place ops under
+        # no_grad) that make the copies staged ahead for the next pass stale.
+        model.eval(); ref.eval()
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(5))
+        logits = []
+        with torch.no_grad():
+            logits.append(torch.equal(ref(input_ids=x).logits, model(input_ids=x.to("superchip")).logits.cpu()))
+            st0 = superchip.stream_stats()
+            for a, b in zip(ref.parameters(), model.parameters()):
+                a.mul_(0.5); b.mul_(0.5)
+            logits += [torch.equal(ref(input_ids=x).logits, model(input_ids=x.to("superchip")).logits.cpu())
+                       for _ in range(2)]
+        st1 = superchip.stream_stats()
+        model.train(); ref.train()
+        # load_state_dict and a hand move to hbm keep results equal.
+        sd = {k: v * 0.9 for k, v in ref.state_dict().items()}
+        ref.load_state_dict(sd); model.load_state_dict(sd)
+        superchip.move_to_tier(model.model.layers[0].self_attn.q_proj.weight, "hbm")
+        same_after = train(ref, o_ref, 3, seed=2) == train(model, o, 3, seed=2)
+        bitwise = all(torch.equal(a, b.cpu()) for a, b in zip(ref.parameters(), model.parameters()))
+        # A new budget: the plan is redone.
+        v_before = superchip.weights_plan()["version"]
+        superchip.set_capacity("hbm", superchip.memory_stats()["hbm.capacity_bytes"] + (256 << 10))
+        same_replanned = train(ref, o_ref, 4, seed=3) == train(model, o, 4, seed=3)
+        v_after = superchip.weights_plan()["version"]
+        # Off: kernels read host in place; same bits.
+        superchip.set_streaming(False)
+        off = superchip.weights_plan()["state"]
+        same_off = train(ref, o_ref, 2, seed=4) == train(model, o, 2, seed=4)
+        s = superchip.memory_stats()
+        print(json.dumps(dict(same=same, same_after=same_after, same_replanned=same_replanned, bitwise=bitwise, tied=[e["names"] for e in tied],
+                              streamed_bytes=plan["streamed_bytes"], host_bytes=host_bytes,
+                              state=plan["state"], logits=logits, staged_then=st0["staging_bytes"], invalidated=st1["invalidated"] - st0["invalidated"],
+                              eval_hits=st1["hits"] - st0["hits"], v_before=v_before, v_after=v_after,
+                              off=off, same_off=same_off, peak=s["hbm.peak_allocated_bytes"],
+                              cap=s["hbm.capacity_bytes"])))
+    """), hbm="640K")
+    assert r["state"] == "streaming" and r["same"], r
+    # The tied matrix is one storage: every read of it names both parameters, and the plan
+    # counts its bytes once (streamed_bytes is exactly the host weights' bytes).
+    assert r["tied"] and all(sorted(n) == ["lm_head.weight", "model.embed_tokens.weight"] for n in r["tied"]), r
+    assert r["streamed_bytes"] == r["host_bytes"], r
+    assert r["staged_then"] > 0 and r["invalidated"] >= 1, r
+    assert all(r["logits"]) and r["eval_hits"] > 0, r
+    assert r["same_after"] and r["bitwise"], r
+    assert r["v_after"] > r["v_before"] and r["same_replanned"], r
+    assert r["off"] == "off" and r["same_off"], r
+    assert r["peak"] <= r["cap"], r
