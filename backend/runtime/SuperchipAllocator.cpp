@@ -321,6 +321,7 @@ void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
   WeightStreamer::get().note_written(&storage);
   // The old DataPtr is released when `old` leaves scope, after the swap.
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
+  if (tier == Tier::kHost) WeightStreamer::get().note_moved_to_host(&storage);
 }
 
 void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {

@@ -75,12 +75,12 @@ struct CopyTicket {
 
 class Copier {
  public:
-  Copier() : thread_([this] { loop(); }) {}
-
+  // The thread starts with the first copy: a process that never streams has none.
   std::shared_ptr<CopyTicket> issue(MemoryManager* mm, void* dst, const void* src, size_t n) {
     auto t = std::make_shared<CopyTicket>();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
       queue_.push_back({mm, dst, src, n, t});
     }
     work_cv_.notify_one();
@@ -668,7 +668,14 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
     impl_->weights.insert_or_assign(&storage, c10::weak_intrusive_ptr<c10::StorageImpl>(
         c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)));
   }
-  if (impl_->enabled) impl_->active.store(true, std::memory_order_release);
+  // Active (operators call read()) once some weight lives in host: a model that fits in hbm
+  // costs its operators one atomic load.
+  if (impl_->enabled && impl_->in_host(&storage)) impl_->active.store(true, std::memory_order_release);
+}
+
+void WeightStreamer::note_moved_to_host(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->enabled && impl_->weights.count(storage)) impl_->active.store(true, std::memory_order_release);
 }
 
 c10::StorageImpl* WeightStreamer::source_of(const c10::DataPtr& staged) noexcept {
@@ -786,8 +793,13 @@ void WeightStreamer::set_enabled(bool enabled) {
       impl_->last = nullptr;
       impl_->start_recording();
       impl_->state = State::kIdle;
-    } else if (!impl_->weights.empty()) {
-      impl_->active.store(true, std::memory_order_release);
+    } else {
+      for (const auto& [s, w] : impl_->weights) {
+        if (!w.expired() && impl_->in_host(s)) {
+          impl_->active.store(true, std::memory_order_release);
+          break;
+        }
+      }
     }
     for (auto& e : impl_->graveyard) dead.push_back(std::move(e));
     impl_->graveyard.clear();
@@ -858,8 +870,9 @@ StreamPlan WeightStreamer::plan() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Impl& d = *impl_;
   StreamPlan p;
-  p.state = d.enabled ? state_name(d.state) : "off";
+  p.state = !d.enabled ? "off" : d.active.load() ? state_name(d.state) : "idle";
   p.mode = executor() == Executor::kCpu ? "stage" : "in_place";
+  if (!d.enabled) return p;
   p.version = d.version;
   for (const auto& it : d.order) {
     p.order.push_back({it.s, it.nbytes, !it.weak.expired() && d.in_host(it.s)});

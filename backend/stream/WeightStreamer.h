@@ -89,6 +89,8 @@ class WeightStreamer {
   // Marks `storage` as a weight (see above). Cheap; called by copy_ for whole-storage copies
   // of floating-point tensors from the CPU.
   void mark_weight(c10::StorageImpl& storage);
+  // A storage moved to host (move_to_tier): streaming starts if it is a weight.
+  void note_moved_to_host(const c10::StorageImpl* storage);
   // For a superchip storage a kernel is about to read: a DataPtr (device `executor_device`)
   // over a staged copy, or an empty DataPtr to read in place. Call after the engine's
   // wait_for_storage(). The DataPtr pins the copy until it is released.
