@@ -7,6 +7,7 @@
 #include "backend/engine/AdamBucket.h"
 #include "backend/engine/OffloadEngine.h"
 #include "backend/optim/FusedStep.h"
+#include "backend/stream/WeightStreamer.h"
 
 namespace py = pybind11;
 
@@ -161,11 +162,16 @@ void bind_engine(py::module& m) {
   // Inductor wrapper calls this with its inputs first (python/superchip/_inductor/codegen.py).
   m.def("_engine_wait_inputs", [](py::args args) {
     OffloadEngine& e = OffloadEngine::get();
+    WeightStreamer& streamer = WeightStreamer::get();
+    const bool streaming = streamer.active();
     for (const py::handle a : args) {
       if (!THPVariable_Check(a.ptr())) continue;
       const at::Tensor& t = THPVariable_Unpack(a.ptr());
       if (t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage()) {
         e.wait_for_storage(t.storage().unsafeGetStorageImpl());
+        // Generated kernels read and write inputs in place, past the forwarding layer: a staged
+        // copy of an input may be stale after the graph (Note [Staged copies and writes]).
+        if (streaming) streamer.note_written(t.storage().unsafeGetStorageImpl());
       }
     }
   });

@@ -52,8 +52,11 @@
 // A staged copy is used only when no write to its weight began after the copy was issued.
 // Every write path marks the copy stale: a kernel given the storage to write (AliasSet, when it
 // aliases it and again when the call ends), engine jobs (after they ran, on the worker), the
-// fused optimizer, tier moves and resizes. Prefetch skips weights with an engine job pending
-// (the step of the previous iteration still running); the read then waits for the job
+// fused optimizer, tier moves and resizes; compiled graphs (Inductor), whose kernels write
+// inputs in place, drop the copies of all their inputs before they run (a copy an extern
+// kernel inside the graph would stage of a weight the same graph writes later is not caught;
+// compiled optimizer steps call no extern kernel on weights). Prefetch skips weights with an
+// engine job pending (the step of the previous iteration still running); the read then waits for the job
 // (wait_for_storage) and copies at use.
 
 namespace superchip {

@@ -24,7 +24,8 @@
 //    budget): the arena once planned, single blocks while recording. When neither can hold a
 //    copy, the kernel reads the host bytes in place.
 //  - Writes that bypass the forwarding layer (fused optimizer steps, engine jobs, tier moves)
-//    call note_written() after they wrote; a copy begun before a write ends is never used.
+//    call note_written() after they wrote (compiled graphs: before they run, for every input);
+//    a copy begun before a write ends is never used.
 //  - GIL (Note [Engine and the GIL]): the copier thread touches raw pointers only; staged
 //    entries, which hold a strong reference to their weight's storage, are created and
 //    destroyed on operator threads, never under the streamer's lock.
