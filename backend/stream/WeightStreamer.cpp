@@ -56,8 +56,8 @@
 // inputs in place, drop the copies of all their inputs before they run (a copy an extern
 // kernel inside the graph would stage of a weight the same graph writes later is not caught;
 // compiled optimizer steps call no extern kernel on weights). Prefetch skips weights with an
-// engine job pending (the step of the previous iteration still running); the read then waits for the job
-// (wait_for_storage) and copies at use.
+// engine job pending (the step of the previous iteration still running); the read then waits
+// for the job (wait_for_storage) and copies at use.
 
 namespace superchip {
 namespace {
