@@ -14,6 +14,9 @@
 #include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "ops/cpu/ThreadPool.h"
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+#include "ops/cuda/FusedOptimCuda.h"
+#endif
 
 namespace superchip {
 namespace {
@@ -51,6 +54,9 @@ bool host_addressable(const at::Tensor& t) {
 // results into `t` when a staging copy had to be made.
 class HostOperand {
  public:
+  static constexpr bool kOnHost = true;
+  static bool addressable(const at::Tensor& t) { return host_addressable(t); }
+
   HostOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
     wait_pending(t);
     if (host_addressable(t) && t.is_contiguous()) {
@@ -80,13 +86,44 @@ class HostOperand {
   bool staged_ = false;
 };
 
+// The executor's view of `t` for a step run by ops/cuda (tail buckets): superchip memory of
+// either tier (with the CUDA executor, host-tier blocks are pinned and mapped, so kernels
+// address them too), made contiguous on the executor when it is not; write_back() copies a
+// staged result back, in stream order.
+class ExecutorOperand {
+ public:
+  static constexpr bool kOnHost = false;
+  static bool addressable(const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; }
+
+  ExecutorOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
+    wait_pending(t);
+    TORCH_CHECK(addressable(t), "superchip.optim: a tail bucket is stepped by the executor, but an operand is on ",
+                t.device(), "; tail buckets need superchip parameters and gradients (use tail_buckets=0).");
+    exec_ = t.is_contiguous() ? t : t.contiguous();
+    staged_ = !t.is_contiguous();
+  }
+  void* data() const { return exec_.data_ptr(); }
+  void write_back() {
+    if (staged_ && written_) original_.copy_(exec_);
+    if (written_) WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
+  }
+
+ private:
+  at::Tensor original_;
+  at::Tensor exec_;
+  bool written_;
+  bool staged_ = false;
+};
+
+template <typename Operand>
 void check_state(const at::Tensor& s, const at::Tensor& p, const char* what, size_t i) {
   wait_pending(s);
   TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat && s.numel() == p.numel() && s.is_contiguous() &&
-                  host_addressable(s),
+                  Operand::addressable(s),
               "superchip.optim: state '", what, "' of parameter ", i,
-              " must be a contiguous float32 tensor in host-addressable memory with ", p.numel(),
-              " elements (the optimizer creates it; was the state dict edited by hand?).");
+              " must be a contiguous float32 tensor with ", p.numel(), " elements in ",
+              Operand::kOnHost ? "host-addressable memory" : "superchip memory",
+              " (the optimizer creates it; was the state dict edited by hand?).");
 }
 
 struct Item {
@@ -132,9 +169,9 @@ void wait_for_executor(const std::vector<at::Tensor>& params) {
 
 // Parameter (fp32 itself, or fp32 master + low-precision copy) and gradient fields, which
 // AdamArrays and SgdArrays share; operands that must be staged are kept in `operands`.
-template <typename Arrays>
+template <typename Operand, typename Arrays>
 void bind_param_and_grad(Arrays& a, size_t i, const at::Tensor& p, const at::Tensor& grad,
-                         const std::optional<at::Tensor>& master, std::vector<HostOperand>& operands) {
+                         const std::optional<at::Tensor>& master, std::vector<Operand>& operands) {
   TORCH_CHECK(grad.numel() == p.numel(), "superchip.optim: gradient of parameter ", i, " has ",
               grad.numel(), " elements, the parameter ", p.numel(), ".");
   a.n = p.numel();
@@ -149,7 +186,7 @@ void bind_param_and_grad(Arrays& a, size_t i, const at::Tensor& p, const at::Ten
   }
   TORCH_CHECK(master.has_value(), "superchip.optim: ", p.scalar_type(), " parameter ", i,
               " has no fp32 master weight.");
-  check_state(*master, p, "master_param", i);
+  check_state<Operand>(*master, p, "master_param", i);
   a.param = master->data_ptr<float>();
   a.param_lowp = operands.back().data();
   a.lowp_dtype = pd;
@@ -236,27 +273,50 @@ namespace {
 
 // Binds the group's tensors to kernel arrays; operands that had to be staged are kept in
 // `operands` (written back by the caller).
+template <typename Operand>
 std::vector<ops::AdamArrays> bind_adam(const AdamGroup& g, const ops::AdamHyper& hyper,
-                                       std::vector<HostOperand>& operands) {
+                                       std::vector<Operand>& operands) {
   const size_t n = g.params.size();
   TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
                   g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
               "superchip.optim: internal error: ragged Adam group");
-  wait_for_executor(g.params);
+  if (Operand::kOnHost) wait_for_executor(g.params);
   std::vector<ops::AdamArrays> arrays(n);
   operands.reserve(2 * n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = g.params[i];
     ops::AdamArrays& a = arrays[i];
     bind_param_and_grad(a, i, p, g.grads[i], g.masters[i], operands);
-    check_state(g.exp_avgs[i], p, "exp_avg", i);
-    check_state(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
+    check_state<Operand>(g.exp_avgs[i], p, "exp_avg", i);
+    check_state<Operand>(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
     a.exp_avg = g.exp_avgs[i].data_ptr<float>();
     a.exp_avg_sq = g.exp_avg_sqs[i].data_ptr<float>();
     if (hyper.amsgrad) {
       TORCH_CHECK(g.max_exp_avg_sqs[i].has_value(), "superchip.optim: amsgrad state missing for parameter ", i);
-      check_state(*g.max_exp_avg_sqs[i], p, "max_exp_avg_sq", i);
+      check_state<Operand>(*g.max_exp_avg_sqs[i], p, "max_exp_avg_sq", i);
       a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
+    }
+  }
+  return arrays;
+}
+
+template <typename Operand>
+std::vector<ops::SgdArrays> bind_sgd(const SgdGroup& g, const ops::SgdHyper& hyper,
+                                     std::vector<Operand>& operands) {
+  const size_t n = g.params.size();
+  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
+                  g.first_steps.size() == n,
+              "superchip.optim: internal error: ragged SGD group");
+  if (Operand::kOnHost) wait_for_executor(g.params);
+  std::vector<ops::SgdArrays> arrays(n);
+  operands.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    ops::SgdArrays& a = arrays[i];
+    bind_param_and_grad(a, i, g.params[i], g.grads[i], g.masters[i], operands);
+    if (hyper.momentum != 0.0) {
+      TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
+      check_state<Operand>(*g.momentum_buffers[i], g.params[i], "momentum_buffer", i);
+      a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
     }
   }
   return arrays;
@@ -301,23 +361,8 @@ void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLog
 }
 
 void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
-  wait_for_executor(g.params);
-  const size_t n = g.params.size();
-  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
-                  g.first_steps.size() == n,
-              "superchip.optim: internal error: ragged SGD group");
-  std::vector<ops::SgdArrays> arrays(n);
   std::vector<HostOperand> operands;
-  operands.reserve(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    ops::SgdArrays& a = arrays[i];
-    bind_param_and_grad(a, i, g.params[i], g.grads[i], g.masters[i], operands);
-    if (hyper.momentum != 0.0) {
-      TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
-      check_state(*g.momentum_buffers[i], g.params[i], "momentum_buffer", i);
-      a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
-    }
-  }
+  const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
   const ops::SimdPath path = ops::active_simd_path();
   run_chunked(arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
     ops::SgdHyper h = hyper;
@@ -325,6 +370,42 @@ void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
     ops::sgd_step(h, chunk, path, nullptr);
   });
   for (HostOperand& o : operands) o.write_back();
+}
+
+// ---- tail buckets: the step on the executor ----
+
+void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) {
+  if (executor() != Executor::kCuda) return fused_adam_step(g, hyper);
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+  std::vector<ExecutorOperand> operands;
+  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    ops::AdamHyper h = hyper;
+    h.step = g.steps[i];
+    ops::cuda::adam_step(h, arrays[i], stream);
+  }
+  for (ExecutorOperand& o : operands) o.write_back();
+#else
+  TORCH_CHECK(false, "superchip.optim: this build has no ops/cuda kernels (built without a CUDA toolkit); "
+              "use tail_buckets=0.");
+#endif
+}
+
+void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream) {
+  if (executor() != Executor::kCuda) return fused_sgd_step(g, hyper);
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+  std::vector<ExecutorOperand> operands;
+  const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    ops::SgdHyper h = hyper;
+    h.first_step = g.first_steps[i];
+    ops::cuda::sgd_step(h, arrays[i], stream);
+  }
+  for (ExecutorOperand& o : operands) o.write_back();
+#else
+  TORCH_CHECK(false, "superchip.optim: this build has no ops/cuda kernels (built without a CUDA toolkit); "
+              "use tail_buckets=0.");
+#endif
 }
 
 }  // namespace superchip

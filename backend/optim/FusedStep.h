@@ -1,7 +1,9 @@
-// The torch-facing side of the fused CPU optimizer: validates tensors, finds host pointers
-// (staging through host memory the operands a CPU cannot address, i.e. hbm with the CUDA
-// executor), cuts every parameter into cache-friendly chunks and runs the ops/cpu kernels on
-// the optimizer thread pool (pinned to the GPU-local NUMA node). Called with the GIL released.
+// The torch-facing side of the fused optimizer. fused_*: validates tensors, finds host
+// pointers (staging through host memory the operands a CPU cannot address, i.e. hbm with the
+// CUDA executor), cuts every parameter into cache-friendly chunks and runs the ops/cpu kernels
+// on the optimizer thread pool (pinned to the GPU-local NUMA node). executor_*: the engine's
+// tail buckets, stepped where their state lives (ops/cuda on the CUDA executor, enqueued on a
+// stream; the ops/cpu kernels on the CPU executor), with the same bits. Called without the GIL.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +49,16 @@ struct SgdGroup {
 };
 
 void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper);
+
+// Tail buckets (Engine in python/superchip/engine.py): with the CUDA executor, the ops/cuda
+// kernels read and write every operand in place (superchip memory of either tier) and are
+// enqueued on `stream` (a cudaStream_t of the parameters' device: the current one, so that
+// backward's gradients and the next forward are ordered around the step); the call returns
+// once they are enqueued. With the CPU executor, `stream` is ignored and this is fused_*_step.
+// Results are bit for bit those of fused_*_step (ops/cuda/FusedOptimCuda.h). A build without
+// ops/cuda raises on the CUDA executor, naming tail_buckets=0 as the way out.
+void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream);
+void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream);
 
 namespace ops {
 class ThreadPool;

@@ -142,7 +142,8 @@ PYBIND11_MODULE(_C, m) {
            std::vector<std::optional<at::Tensor>> masters, std::vector<at::Tensor> exp_avgs,
            std::vector<at::Tensor> exp_avg_sqs, std::vector<std::optional<at::Tensor>> max_exp_avg_sqs,
            std::vector<int64_t> steps, double lr, double beta1, double beta2, double eps,
-           double weight_decay, bool decoupled, bool amsgrad, bool maximize) {
+           double weight_decay, bool decoupled, bool amsgrad, bool maximize,
+           std::optional<uintptr_t> stream) {
           AdamGroup g{std::move(params), std::move(grads), std::move(masters), std::move(exp_avgs),
                       std::move(exp_avg_sqs), std::move(max_exp_avg_sqs), std::move(steps)};
           ops::AdamHyper h;
@@ -155,14 +156,20 @@ PYBIND11_MODULE(_C, m) {
           h.amsgrad = amsgrad;
           h.maximize = maximize;
           py::gil_scoped_release no_gil;
-          fused_adam_step(g, h);
-        });
+          // A stream (a tail bucket): the executor steps it; none: the CPU kernels.
+          if (stream) executor_adam_step(g, h, reinterpret_cast<void*>(*stream));
+          else fused_adam_step(g, h);
+        },
+        py::arg("params"), py::arg("grads"), py::arg("masters"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("stream") = py::none());
   m.def("_sgd_step",
         [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
            std::vector<std::optional<at::Tensor>> masters,
            std::vector<std::optional<at::Tensor>> momentum_buffers, std::vector<bool> first_steps,
            double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-           bool maximize) {
+           bool maximize, std::optional<uintptr_t> stream) {
           SgdGroup g{std::move(params), std::move(grads), std::move(masters),
                      std::move(momentum_buffers), std::move(first_steps)};
           ops::SgdHyper h;
@@ -173,8 +180,12 @@ PYBIND11_MODULE(_C, m) {
           h.nesterov = nesterov;
           h.maximize = maximize;
           py::gil_scoped_release no_gil;
-          fused_sgd_step(g, h);
-        });
+          if (stream) executor_sgd_step(g, h, reinterpret_cast<void*>(*stream));
+          else fused_sgd_step(g, h);
+        },
+        py::arg("params"), py::arg("grads"), py::arg("masters"), py::arg("momentum_buffers"),
+        py::arg("first_steps"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
+        py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"), py::arg("stream") = py::none());
   m.def("_stream_triad_inplace", [](at::Tensor& a, const at::Tensor& b, double s) {
     for (const at::Tensor* t : {static_cast<const at::Tensor*>(&a), &b}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&

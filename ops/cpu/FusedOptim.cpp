@@ -100,8 +100,6 @@ AdamScalars adam_scalars(const AdamHyper& h) {
   return s;
 }
 
-namespace {
-
 SgdScalars sgd_scalars(const SgdHyper& h) {
   SgdScalars s;
   s.l2 = h.weight_decay != 0.0;
@@ -115,6 +113,8 @@ SgdScalars sgd_scalars(const SgdHyper& h) {
   s.sign_mask = h.maximize ? 0x80000000u : 0u;
   return s;
 }
+
+namespace {
 
 void check_path(const char* fn, SimdPath path) {
   if (!simd_path_supported(path)) {

@@ -67,8 +67,10 @@ SgdRangeFn sgd_kernel_sve(DType grad, Lowp lowp);
 int sve_lanes();  // svcntw(): call only when the CPU has SVE
 #endif
 
-// The per-step constants of `h`, rounded once as torch.optim rounds them.
+// The per-step constants of `h`, rounded once as torch.optim rounds them (ops/cuda uses them
+// too, so both devices start from the same fp32 scalars).
 AdamScalars adam_scalars(const AdamHyper& h);
+SgdScalars sgd_scalars(const SgdHyper& h);
 
 // Argument checks shared by the kernels and the references; throw std::invalid_argument.
 void check_adam_args(const AdamHyper& h, const AdamArrays& a);

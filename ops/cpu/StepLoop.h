@@ -12,12 +12,23 @@
 // instantiations internal linkage, so code compiled with -mavx512f can never be picked by the
 // linker for a caller on a CPU without it. For the same reason this header includes nothing
 // but <cstdint> and <cstring>, and defines no non-template inline function.
+//
+// adam_block and sgd_block are also the per-element body of the CUDA kernels (ops/cuda), with
+// a V of CUDA's correctly rounded intrinsics and kWidth 1: nvcc compiles them for the device
+// through SUPERCHIP_HD, which is empty for every other compiler. One body, so the GPU gives
+// the CPU's bits.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 #include "ops/cpu/StepKernels.h"
+
+#if defined(__CUDACC__)
+#define SUPERCHIP_HD __host__ __device__
+#else
+#define SUPERCHIP_HD
+#endif
 
 namespace superchip::ops::detail {
 
@@ -29,7 +40,7 @@ template <>
 struct GradStorage<DType::kF16> { using T = uint16_t; };
 
 template <class V, DType kG>
-inline typename V::Reg load_grad(const void* g, int64_t i) {
+SUPERCHIP_HD inline typename V::Reg load_grad(const void* g, int64_t i) {
   if constexpr (kG == DType::kF32) {
     return V::load(static_cast<const float*>(g) + i);
   } else if constexpr (kG == DType::kBF16) {
@@ -40,7 +51,7 @@ inline typename V::Reg load_grad(const void* g, int64_t i) {
 }
 
 template <class V, Lowp kL>
-inline void store_lowp(void* d, int64_t i, typename V::Reg x) {
+SUPERCHIP_HD inline void store_lowp(void* d, int64_t i, typename V::Reg x) {
   if constexpr (kL == Lowp::kBF16) {
     V::store_bf16(static_cast<uint16_t*>(d) + i, x);
   } else if constexpr (kL == Lowp::kF16) {
@@ -87,7 +98,7 @@ struct AdamPtrs {
 };
 
 template <class V, DType kG, Lowp kL>
-inline void adam_block(const AdamScalars& s, const AdamPtrs& q, int64_t i) {
+SUPERCHIP_HD inline void adam_block(const AdamScalars& s, const AdamPtrs& q, int64_t i) {
   using R = typename V::Reg;
   R g = V::xor_bits(load_grad<V, kG>(q.g, i), V::set1_bits(s.sign_mask));
   R p = V::load(q.p + i);
@@ -156,7 +167,7 @@ struct SgdPtrs {
 };
 
 template <class V, DType kG, Lowp kL>
-inline void sgd_block(const SgdScalars& s, const SgdPtrs& q, int64_t i) {
+SUPERCHIP_HD inline void sgd_block(const SgdScalars& s, const SgdPtrs& q, int64_t i) {
   using R = typename V::Reg;
   R g = V::xor_bits(load_grad<V, kG>(q.g, i), V::set1_bits(s.sign_mask));
   R p = V::load(q.p + i);

@@ -97,6 +97,15 @@ def _check_param(cls: str, p: torch.Tensor) -> None:
         )
 
 
+def _executor_stream(params) -> int:
+    """The stream a tail bucket's step is enqueued on: with the CUDA executor, the current
+    stream of the parameters' device (backward's gradients are ready on it and the next forward
+    reads the parameters on it); 0 with the CPU executor, which steps on the calling thread."""
+    if _C._executor() != "cuda":
+        return 0
+    return torch.cuda.current_stream(params[0].device.index).cuda_stream
+
+
 def _params_with_grad(cls: str, group: dict) -> list:
     """The group's parameters that have a gradient, all checked before any state changes."""
     params = [p for p in group["params"] if p.grad is not None]
@@ -323,7 +332,7 @@ class Adam(_FusedOptimizer):
 
     def _engine_inline(self, parts) -> None:
         for args in parts:
-            _C._adam_step(*args)
+            _C._adam_step(*args, stream=_executor_stream(args[0]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -434,7 +443,7 @@ class SGD(_FusedOptimizer):
 
     def _engine_inline(self, parts) -> None:
         for args in parts:
-            _C._sgd_step(*args)
+            _C._sgd_step(*args, stream=_executor_stream(args[0]))
 
     @torch.no_grad()
     def step(self, closure=None):
