@@ -66,6 +66,17 @@ size_t default_hbm_budget() {
   return std::min(phys / 4, size_t(16) << 30);
 }
 
+// The GPU's memory less a margin for what lives there outside superchip's view: the CUDA
+// context, library workspaces (cuBLAS, cuDNN) and the slack of CUDA's caching allocator, which
+// holds forwarded kernels' outputs (counted in hbm only while allocated). A known budget is
+// what lets placement keep an activation reserve and the streaming plan size its arena.
+// 0 (unlimited) when the runtime cannot tell.
+size_t gpu_hbm_budget(c10::DeviceIndex index) {
+  const size_t total = cuda_memory_info(index).second;
+  const size_t margin = std::max(size_t{1} << 30, total / 16);
+  return total > 2 * margin ? total - margin : 0;
+}
+
 }  // namespace
 
 Executor executor() {
@@ -167,7 +178,7 @@ MemoryManager& memory(c10::DeviceIndex index) {
   cfg.device_index = index;
   cfg.cuda = executor() == Executor::kCuda;
   const std::string hbm = env_or("SUPERCHIP_HBM_BYTES", "");
-  cfg.hbm_capacity = hbm.empty() ? (cfg.cuda ? 0 : default_hbm_budget())
+  cfg.hbm_capacity = hbm.empty() ? (cfg.cuda ? gpu_hbm_budget(index) : default_hbm_budget())
                                  : parse_bytes(hbm, "SUPERCHIP_HBM_BYTES");
   const std::string reserve = env_or("SUPERCHIP_HBM_RESERVE", "");
   if (!reserve.empty() && reserve.back() == '%') {

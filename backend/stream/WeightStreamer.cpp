@@ -6,16 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -23,6 +19,7 @@
 #include "backend/engine/OffloadEngine.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
+#include "backend/stream/StagingCopier.h"
 
 // Note [Streaming plan]
 // Reads are observed per weight storage, consecutive reads of one storage counting once, so one
@@ -65,80 +62,6 @@ namespace {
 constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// ---- the copier: the emulated side stream ----
-
-struct CopyTicket {
-  bool done = false;  // under Copier::mu_
-};
-
-class Copier {
- public:
-  // The thread starts with the first copy: a process that never streams has none.
-  std::shared_ptr<CopyTicket> issue(MemoryManager* mm, void* dst, const void* src, size_t n) {
-    auto t = std::make_shared<CopyTicket>();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-      queue_.push_back({mm, dst, src, n, t});
-    }
-    work_cv_.notify_one();
-    return t;
-  }
-
-  // Returns true when it had to wait.
-  bool wait(CopyTicket& t) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (t.done) return false;
-    done_cv_.wait(lock, [&] { return t.done; });
-    return true;
-  }
-
-  double seconds() const { return seconds_.load(std::memory_order_relaxed); }
-
- private:
-  struct Job {
-    MemoryManager* mm;
-    void* dst;
-    const void* src;
-    size_t n;
-    std::shared_ptr<CopyTicket> ticket;
-  };
-
-  void loop() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return !queue_.empty(); });
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const double t0 = now_seconds();
-      job.mm->copy(job.dst, job.src, job.n);
-      const double dt = now_seconds() - t0;
-      double cur = seconds_.load(std::memory_order_relaxed);
-      while (!seconds_.compare_exchange_weak(cur, cur + dt, std::memory_order_relaxed)) {
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        job.ticket->done = true;
-      }
-      done_cv_.notify_all();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
-  std::deque<Job> queue_;
-  std::atomic<double> seconds_{0.0};
-  std::thread thread_;
-};
 
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
@@ -207,12 +130,13 @@ struct Entry {
   void* block = nullptr;
   bool stale = false;
   bool prefetched = false;
-  std::shared_ptr<CopyTicket> ticket;  // null once known done
-  Copier* copier = nullptr;
+  std::shared_ptr<StagingCopier::Ticket> ticket;  // the copy issued ahead of use, if any
+  StagingCopier* copier = nullptr;
 
   ~Entry() {
-    if (ticket) copier->wait(*ticket);  // the copier may still be writing the block
     if (block == nullptr) return;
+    copier->before_release(ticket.get());  // the copy may still be writing the block
+    ticket.reset();
     if (arena) arena->release(block, nbytes);
     else mm->free(block);
   }
@@ -265,7 +189,7 @@ struct WeightStreamer::Impl {
   std::mutex mu;
   bool enabled = true;
   std::atomic<bool> active{false};
-  Copier copier;
+  std::unique_ptr<StagingCopier> copier_;  // created with the first copy (under mu)
 
   // Weights (identity -> liveness).
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> weights;
@@ -309,9 +233,17 @@ struct WeightStreamer::Impl {
   std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Entry>> staged;
   std::vector<std::shared_ptr<Entry>> graveyard;  // released on an operator thread
   StreamStats st;
-  double sync_copy_seconds = 0.0;
+  double seconds_at_reset = 0.0;  // the copier's measured time and bytes at reset_stats()
+  double bytes_at_reset = 0.0;
 
   MemoryManager& mm() { return memory(current_device()); }
+
+  StagingCopier& copier() {
+    if (!copier_) copier_ = make_staging_copier(mm(), current_device());
+    return *copier_;
+  }
+  double copy_seconds() const { return copier_ ? copier_->seconds() - seconds_at_reset : 0.0; }
+  double copy_bytes() const { return copier_ ? copier_->measured_bytes() - bytes_at_reset : 0.0; }
 
   size_t hbm_capacity() { return static_cast<size_t>(mm().stats(Tier::kHbm).capacity_bytes); }
 
@@ -584,16 +516,14 @@ struct WeightStreamer::Impl {
     e->nbytes = n;
     e->mm = &m;
     e->block = block;
-    e->copier = &copier;
+    e->copier = &copier();
     e->prefetched = async;
     if (async) {
-      e->ticket = copier.issue(&m, block, e->src_ptr, n);
+      e->ticket = e->copier->issue(block, e->src_ptr, n);
       st.prefetched++;
     } else {
       RECORD_FUNCTION("superchip::stage_weight", std::vector<c10::IValue>());
-      const double t0 = now_seconds();
-      m.copy(block, e->src_ptr, n);
-      sync_copy_seconds += now_seconds() - t0;
+      e->copier->copy_now(block, e->src_ptr, n);
     }
     st.staged_copies++;
     st.staged_bytes += static_cast<int64_t>(n);
@@ -689,13 +619,15 @@ c10::StorageImpl* WeightStreamer::source_of(const c10::DataPtr& staged) noexcept
 c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_device) {
   // The engine's worker reads in place: entries hold storages, which only operator threads
   // may reference (Note [Engine and the GIL]).
-  if (!active() || executor() != Executor::kCpu || OffloadEngine::on_worker()) return {};
+  if (!active() || OffloadEngine::on_worker()) return {};
   std::vector<std::shared_ptr<Entry>> dead;
   c10::DataPtr result;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     Impl& d = *impl_;
     if (!d.enabled) return {};
+    // CUDA: copies we cannot order with the current stream are not made (StagingCopier.h).
+    if (!d.copier().usable()) return {};
     auto w = d.weights.find(s);
     if (w == d.weights.end() || s->nbytes() < kMinBytes) return {};
     // Every weight's reads make the order (stationary ones too: the plan may demote them);
@@ -732,9 +664,10 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
       e = found->second;
       d.st.hits++;
       if (e->ticket) {
+        // Emulated: waits for the copier thread (once). CUDA: the current stream waits for
+        // the copy's event, for every kernel that reads it (it may be on another stream).
         RECORD_FUNCTION("superchip::wait_weight", std::vector<c10::IValue>());
-        if (d.copier.wait(*e->ticket)) d.st.prefetch_waits++;
-        e->ticket.reset();
+        if (d.copier().make_visible(*e->ticket)) d.st.prefetch_waits++;
       }
     } else {
       if (found != d.staged.end()) {
@@ -856,7 +789,7 @@ void WeightStreamer::release_staging() {
 StreamStats WeightStreamer::stats() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   StreamStats s = impl_->st;
-  s.copy_seconds = impl_->copier.seconds() + impl_->sync_copy_seconds;
+  s.copy_seconds = impl_->copy_seconds();
   return s;
 }
 
@@ -866,7 +799,10 @@ void WeightStreamer::reset_stats() {
   impl_->st = StreamStats();
   impl_->st.staging_bytes = in_use;
   impl_->st.staging_peak_bytes = in_use;
-  impl_->sync_copy_seconds = 0.0;
+  if (impl_->copier_) {
+    impl_->seconds_at_reset = impl_->copier_->seconds();
+    impl_->bytes_at_reset = impl_->copier_->measured_bytes();
+  }
 }
 
 StreamPlan WeightStreamer::plan() {
@@ -874,7 +810,8 @@ StreamPlan WeightStreamer::plan() {
   const Impl& d = *impl_;
   StreamPlan p;
   p.state = !d.enabled ? "off" : d.active.load() ? state_name(d.state) : "idle";
-  p.mode = executor() == Executor::kCpu ? "stage" : "in_place";
+  // Staged copies, unless the copies cannot be ordered with the current CUDA stream.
+  p.mode = d.copier_ == nullptr || d.copier_->usable() ? "stage" : "in_place";
   if (!d.enabled) return p;
   p.version = d.version;
   for (const auto& it : d.order) {
@@ -886,8 +823,8 @@ StreamPlan WeightStreamer::plan() {
   p.activation_peak_bytes = d.activation_peak;
   p.staging_budget = d.staging_budget;
   p.prefetch_depth = d.depth;
-  const double secs = d.copier.seconds() + d.sync_copy_seconds;
-  p.copy_bytes_per_s = secs > 0 ? static_cast<double>(d.st.staged_bytes) / secs : 0.0;
+  const double secs = d.copy_seconds();
+  p.copy_bytes_per_s = secs > 0 ? d.copy_bytes() / secs : 0.0;
   return p;
 }
 

@@ -29,8 +29,10 @@
 //  - GIL (Note [Engine and the GIL]): the copier thread touches raw pointers only; staged
 //    entries, which hold a strong reference to their weight's storage, are created and
 //    destroyed on operator threads, never under the streamer's lock.
-//  - CUDA executor: kernels read host weights in place (zero-copy over the pinned mapping);
-//    staging through a side stream is not built yet, and the plan reports mode "in_place".
+//  - Copies run on a side stream (StagingCopier.h): a thread in emulated mode, a CUDA copy
+//    stream ordered with the current stream by events on the CUDA executor. Where a copy
+//    cannot be ordered with the current stream, kernels read host weights in place (zero-copy
+//    over the pinned mapping) and the plan reports mode "in_place".
 // Thread-safety: every member may be called from any thread.
 #pragma once
 
