@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "backend/native/Forward.h"
+#include "backend/native/GroupNorm.h"
 #include "backend/native/Native.h"
 #include "backend/native/Rnn.h"
 #include "backend/register/Registration.h"
@@ -65,6 +66,13 @@ int register_executor_kernels() {
                                                               : c10::DispatchKey::CPU;
   lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
                            __LINE__);  // lives for the process, like the registrations it holds
+  if (executor() == Executor::kCpu) {
+    // Note [GroupNorm layouts]: the backward gets CPU's memory format back. Before the loop
+    // below, which would register the plain forwarding kernel for native_group_norm.
+    lib->impl("native_group_norm", TORCH_FN(native::native_group_norm));
+    lib->impl("native_group_norm_backward", TORCH_FN(native::native_group_norm_backward));
+    count += 2;
+  }
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;

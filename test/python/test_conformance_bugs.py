@@ -241,6 +241,42 @@ def test_mode_out():
     assert_close_cpu(indices, ref.indices)
 
 
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 7), 3), ((3, 8, 4, 4, 3), 4), ((2, 4, 3, 3), 2)])
+def test_group_norm_channels_last_gradients_like_cpu(shape, groups):
+    # Note [GroupNorm layouts]: torch's formula gives a non-CPU backward plain-format operands;
+    # the CPU executor must still see CPU's channels-last ones (bitwise gradients, same strides).
+    torch.manual_seed(len(shape))
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = torch.randn(shape).to(memory_format=fmt)
+    ref = torch.nn.GroupNorm(groups, shape[1])
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-0.5, 0.5)
+    mod = torch.nn.GroupNorm(groups, shape[1]).to(DEVICE)
+    mod.load_state_dict(ref.state_dict())
+    xc = x.clone().requires_grad_()
+    xs = x.to(DEVICE).requires_grad_()
+    yc, ys = ref(xc), mod(xs)
+    g = torch.randn_like(yc)
+    yc.backward(g)
+    ys.backward(g.to(DEVICE))
+    for got, want in ((ys, yc), (xs.grad, xc.grad), (mod.weight.grad, ref.weight.grad),
+                      (mod.bias.grad, ref.bias.grad)):
+        assert got.stride() == want.stride()
+        assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
+    # A plain-format input in the same process still takes the plain path.
+    xp = torch.randn(shape)
+    xpc, xps = xp.clone().requires_grad_(), xp.to(DEVICE).requires_grad_()
+    ref(xpc).sum().backward()
+    mod(xps).sum().backward()
+    assert torch.equal(xps.grad.cpu(), xpc.grad)
+    # Double backward (create_graph) takes torch's differentiable formula on both devices.
+    xc2, xs2 = x.clone().requires_grad_(), x.to(DEVICE).requires_grad_()
+    (gc,) = torch.autograd.grad((ref(xc2) * g).sum(), xc2, create_graph=True)
+    (gs,) = torch.autograd.grad((mod(xs2) * g.to(DEVICE)).sum(), xs2, create_graph=True)
+    torch.testing.assert_close(gs.cpu(), gc, rtol=1e-5, atol=1e-6)
+
+
 # ---- copy-on-write (torch._lazy_clone) ----
 
 def test_lazy_clone_reads_do_not_materialize():
