@@ -138,23 +138,6 @@ class HostBacking final : public Backing {
 // ---- CUDA device memory ----
 
 #ifdef SUPERCHIP_HAVE_CUDA
-// Makes `device` current for the scope so that the caller's current device is untouched.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    SUPERCHIP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) SUPERCHIP_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() {
-    // A failure here would leave the caller on our device; nothing better can be done.
-    (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class CudaBacking final : public Backing {
  public:

@@ -56,6 +56,26 @@ void cuda_check(cudaError_t err, const char* call, const char* file, int line);
 
 // The one way superchip checks a CUDA runtime call (see STYLE.md, habit 6).
 #define SUPERCHIP_CUDA_CHECK(call) ::superchip::detail::cuda_check((call), #call, __FILE__, __LINE__)
+
+// Makes `device` this CUDA runtime's current device for the scope, so that the caller's
+// current device is untouched (superchip's runtime is linked statically: its current device
+// is its own, not torch's).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    SUPERCHIP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) SUPERCHIP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() {
+    // A failure here would leave the caller on our device; nothing better can be done.
+    (void)cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
 #endif
 
 }  // namespace superchip

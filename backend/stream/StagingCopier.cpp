@@ -18,7 +18,7 @@
 #ifdef SUPERCHIP_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "allocator/Backing.h"  // SUPERCHIP_CUDA_CHECK
+#include "allocator/Backing.h"  // SUPERCHIP_CUDA_CHECK, DeviceScope
 #endif
 
 // Note [Copy stream ordering]
@@ -138,24 +138,11 @@ class ThreadCopier final : public StagingCopier {
 
 // ---- CUDA: a copy stream and events (Note [Copy stream ordering]) ----
 
-class CudaDevice {  // sets this runtime's current device for the scope
- public:
-  explicit CudaDevice(int device) {
-    SUPERCHIP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) SUPERCHIP_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~CudaDevice() { (void)cudaSetDevice(previous_); }
-  CudaDevice(const CudaDevice&) = delete;
-  CudaDevice& operator=(const CudaDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class CudaCopier final : public StagingCopier {
  public:
   explicit CudaCopier(c10::DeviceIndex device) : device_(device) {
-    CudaDevice g(device_);
+    DeviceScope g(device_);
     SUPERCHIP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   }
   // The stream and events outlive every use: the streamer (and so its copier) is never destroyed.
@@ -190,7 +177,7 @@ class CudaCopier final : public StagingCopier {
     bool ok = false;
     cudaStream_t compute = compute_stream(&ok);
     TORCH_INTERNAL_ASSERT(ok, "StagingCopier::issue without a usable compute stream");
-    CudaDevice g(device_);
+    DeviceScope g(device_);
     cudaEvent_t ready = event(/*timed=*/false);
     SUPERCHIP_CUDA_CHECK(cudaEventRecord(ready, compute));
     SUPERCHIP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ready, 0));
@@ -209,7 +196,7 @@ class CudaCopier final : public StagingCopier {
   bool make_visible(Ticket& t) override {
     bool ok = false;
     cudaStream_t compute = compute_stream(&ok);
-    CudaDevice g(device_);
+    DeviceScope g(device_);
     if (!ok) {
       SUPERCHIP_CUDA_CHECK(cudaEventSynchronize(static_cast<CudaTicket&>(t).end));
       return true;
@@ -222,7 +209,7 @@ class CudaCopier final : public StagingCopier {
     bool ok = false;
     cudaStream_t compute = compute_stream(&ok);
     TORCH_INTERNAL_ASSERT(ok, "StagingCopier::copy_now without a usable compute stream");
-    CudaDevice g(device_);
+    DeviceScope g(device_);
     SUPERCHIP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, compute));
   }
 

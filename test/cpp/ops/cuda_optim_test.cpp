@@ -85,16 +85,6 @@ std::vector<uint16_t> grad_bits(const std::vector<float>& g, DType d) {
   return out;
 }
 
-std::vector<DTypeCombo> combos() {
-  std::vector<DTypeCombo> c;
-  for (DType g : {DType::kF32, DType::kBF16, DType::kF16}) {
-    c.push_back({g, false, DType::kBF16});
-    c.push_back({g, true, DType::kBF16});
-    c.push_back({g, true, DType::kF16});
-  }
-  return c;
-}
-
 std::vector<std::pair<std::string, AdamHyper>> adam_cases() {
   std::vector<std::pair<std::string, AdamHyper>> v;
   AdamHyper h;
@@ -144,7 +134,7 @@ const std::vector<int64_t> kSizes = {0, 1, 255, 256, 257, 100003};
 TEST(CudaAdam, SameBitsAsCpuScalarPath) {
   SUPERCHIP_SKIP_WITHOUT_GPU();
   for (bool pinned : {false, true}) {
-    for (const DTypeCombo& c : combos()) {
+    for (const DTypeCombo& c : all_dtype_combos()) {
       for (const auto& [name, base] : adam_cases()) {
         for (int64_t n : kSizes) {
           if (pinned && n > 1000) continue;  // mapped host memory is slow to read; small is enough
@@ -226,7 +216,7 @@ TEST(CudaAdam, SameBitsAsCpuScalarPath) {
 
 TEST(CudaSgd, SameBitsAsCpuScalarPath) {
   SUPERCHIP_SKIP_WITHOUT_GPU();
-  for (const DTypeCombo& c : combos()) {
+  for (const DTypeCombo& c : all_dtype_combos()) {
     for (const auto& [name, base] : sgd_cases()) {
       for (int64_t n : kSizes) {
         SCOPED_TRACE(name + " grad=" + dtype_name(c.grad) + (c.has_lowp ? std::string(" lowp=") + dtype_name(c.lowp) : "") +
