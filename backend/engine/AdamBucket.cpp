@@ -111,10 +111,10 @@ void AdamSpeculation::step() {
     if (parts_[k].group.params.empty()) continue;
     fused_adam_step(parts_[k].group, parts_[k].hyper, &logs_[k]);
     bytes += logs_[k].bytes();
-    exc += logs_[k].exception_count();
+    exc += logs_[k].escape_count();
   }
   undo_bytes_ = bytes;
-  exceptions_ = exc;
+  escapes_ = exc;
   int expected = kQueued;
   status_.compare_exchange_strong(expected, kSpeculated);
 }

@@ -6,7 +6,7 @@
 //   snapshot (during backward) -> validate: compares, then steps -> probe valid | invalid
 // Every transition runs on the engine worker; the undo log makes rollback exact
 // (ops/cpu/AdamUndo.h), so a speculated bucket ends bit for bit where the plain step ends.
-// Thread-safety: methods other than status()/undo_bytes()/exceptions() run on the worker.
+// Thread-safety: methods other than status()/undo_bytes()/escapes() run on the worker.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,7 +58,7 @@ class AdamSpeculation final : public SpeculationHold {
   int64_t owner() const override { return owner_; }
   int status() const { return status_.load(); }
   int64_t undo_bytes() const { return undo_bytes_.load(); }
-  int64_t exceptions() const { return exceptions_.load(); }
+  int64_t escapes() const { return escapes_.load(); }  // undo log fields in side streams
   int64_t elements() const;
   const std::vector<AdamPart>& parts() const { return parts_; }
 
@@ -70,7 +70,7 @@ class AdamSpeculation final : public SpeculationHold {
   bool probe_;
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
-  std::atomic<int64_t> exceptions_{0};
+  std::atomic<int64_t> escapes_{0};
 };
 
 }  // namespace superchip

@@ -259,13 +259,13 @@ const char* optimizer_simd_path() { return ops::simd_path_name(ops::active_simd_
 
 int64_t AdamUndoLogs::bytes() const {
   int64_t b = 0;
-  for (const auto& c : codes) b += static_cast<int64_t>(c.size());
-  return b + exception_count() * static_cast<int64_t>(sizeof(ops::UndoException));
+  for (const ops::AdamUndoLog& c : chunks) b += c.bytes();
+  return b;
 }
 
-int64_t AdamUndoLogs::exception_count() const {
+int64_t AdamUndoLogs::escape_count() const {
   int64_t n = 0;
-  for (const auto& e : exceptions) n += static_cast<int64_t>(e.size());
+  for (const ops::AdamUndoLog& c : chunks) n += c.escapes;
   return n;
 }
 
@@ -329,17 +329,14 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* rec
   const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
   if (record) {
     TORCH_CHECK(!hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
-    record->codes.resize(arrays.size());
-    for (size_t i = 0; i < arrays.size(); ++i) record->codes[i].resize(static_cast<size_t>(arrays[i].n));
-    record->exceptions.assign(items_of(arrays).size(), {});
+    record->chunks.assign(items_of(arrays).size(), {});
   }
   const ops::SimdPath path = ops::active_simd_path();
   run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
     ops::AdamHyper h = hyper;
     h.step = g.steps[it.tensor];
     if (record) {
-      ops::adam_step_recording(h, chunk, path, record->codes[it.tensor].data() + it.begin,
-                               &record->exceptions[k]);
+      ops::adam_step_recording(h, chunk, path, &record->chunks[k]);
     } else {
       ops::adam_step(h, chunk, path, nullptr);
     }
@@ -350,12 +347,12 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* rec
 void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log) {
   std::vector<HostOperand> operands;
   const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
-  TORCH_CHECK(log.codes.size() == arrays.size() && log.exceptions.size() == items_of(arrays).size(),
+  TORCH_CHECK(log.chunks.size() == items_of(arrays).size(),
               "superchip.optim: internal error: undo log does not match its bucket");
   run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
     ops::AdamHyper h = hyper;
     h.step = g.steps[it.tensor];
-    ops::adam_undo(h, chunk, log.codes[it.tensor].data() + it.begin, log.exceptions[k]);
+    ops::adam_undo(h, chunk, log.chunks[k]);
   });
   for (HostOperand& o : operands) o.write_back();
 }

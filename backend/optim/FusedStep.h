@@ -26,12 +26,11 @@ struct AdamGroup {
   std::vector<int64_t> steps;                // step number after increment, per parameter
 };
 
-// The undo log of a speculative step (ops/cpu/AdamUndo.h), per parameter and work chunk.
+// The undo log of a speculative step (ops/cpu/AdamUndo.h), one per work chunk.
 struct AdamUndoLogs {
-  std::vector<std::vector<uint8_t>> codes;                    // per parameter: numel bytes
-  std::vector<std::vector<ops::UndoException>> exceptions;    // per work chunk
-  int64_t bytes() const;        // host memory the log holds
-  int64_t exception_count() const;
+  std::vector<ops::AdamUndoLog> chunks;
+  int64_t bytes() const;         // host memory the log holds
+  int64_t escape_count() const;  // fields whose residual is in a side stream
 };
 
 // Steps the group in place. With `record`, also writes the undo log (amsgrad is rejected).

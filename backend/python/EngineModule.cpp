@@ -65,7 +65,7 @@ void bind_engine(py::module& m) {
            py::arg("owner"), py::arg("parts"), py::arg("cast_fp32"), py::arg("probe") = false)
       .def("status", &Spec::status)
       .def("undo_bytes", &Spec::undo_bytes)
-      .def("exceptions", &Spec::exceptions)
+      .def("escapes", &Spec::escapes)
       .def("elements", &Spec::elements);
 
   m.def("_engine_adam_step", [](int64_t owner, std::vector<AdamPartArgs> args) {

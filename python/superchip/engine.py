@@ -91,7 +91,7 @@ class Engine:
         self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
                            probed_buckets=0,
-                           undo_bytes=0, undo_elements=0, undo_exceptions=0)
+                           undo_bytes=0, undo_elements=0, undo_escapes=0)
         self.inline_seconds = 0.0
         self.hooks = []
         if overlap:
@@ -200,7 +200,7 @@ class Engine:
                 else:
                     committed = True
                 self.counts["undo_bytes"] += s.spec.undo_bytes()
-                self.counts["undo_exceptions"] += s.spec.exceptions()
+                self.counts["undo_escapes"] += s.spec.escapes()
                 self.counts["undo_elements"] += s.spec.elements()
             else:
                 keep.append(s)
@@ -332,5 +332,5 @@ class Engine:
             optimizer_seconds=float(s["optimizer_seconds"] + self.inline_seconds),
             exposed_seconds=float(s["exposed_seconds"] + self.inline_seconds),
             undo_bytes_per_param=self.counts["undo_bytes"] / elements,
-            undo_exception_fraction=self.counts["undo_exceptions"] / elements,
+            undo_escapes_per_param=self.counts["undo_escapes"] / elements,
         )
