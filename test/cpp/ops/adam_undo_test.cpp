@@ -141,7 +141,9 @@ TEST_P(AdamUndoTest, RestoresEveryElementBitForBit) {
           ASSERT_TRUE(rec.p.same_bytes(orig.p)) << "param not restored: " << what;
           ASSERT_TRUE(rec.m.same_bytes(orig.m)) << "exp_avg not restored: " << what;
           ASSERT_TRUE(rec.v.same_bytes(orig.v)) << "exp_avg_sq not restored: " << what;
-          if (combo.has_lowp) ASSERT_TRUE(rec.lp.same_bytes(orig.lp)) << "param_lowp not restored: " << what;
+          if (combo.has_lowp) {
+            ASSERT_TRUE(rec.lp.same_bytes(orig.lp)) << "param_lowp not restored: " << what;
+          }
           ASSERT_TRUE(rec.p.guards_intact() && rec.m.guards_intact() && rec.v.guards_intact() &&
                       rec.lp.guards_intact());
           if (data == Data::kOrdinary && step == 7) {

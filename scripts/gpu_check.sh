@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU checks of the open work, for a session lent a GPU machine (the device tool): the
+# build, the C++ suites with the CUDA kernels, pytest with the CUDA executor and the GPU
+# benchmarks. Runs the phases named on the command line, in order, each into one log:
+#
+#   bash scripts/gpu_check.sh build cpp pytest-core      # one device call (about 10 minutes)
+#   bash scripts/gpu_check.sh build pytest               # the whole suite on the CUDA executor
+#   bash scripts/gpu_check.sh build bench-dispatch bench-optim bench-offload bench-weights
+#
+# Phases: build (incremental; needs torch with CUDA, nvcc, CMake), cpp (ops_cuda_tests,
+# ops_tests, allocator_tests, engine_tests), pytest-core (engine, optimizer and weight
+# streaming files), pytest (test/python, whole), bench-dispatch, bench-optim, bench-offload,
+# bench-weights (bench/weights_gpu.py), bench-compile. Output goes under $OUT (the device
+# tool's folder that comes back; build/gpu_out elsewhere): gpu_check.log plus each bench's
+# text and JSON, at most 8 files per call. A phase that fails is reported and the next one
+# still runs; the exit status is that of the last failure.
+#
+# The GPU machine has no GoogleTest and no network: before the call, copy Debian's sources
+# into an ignored folder here and carry it (`cp -r /usr/src/googletest .gtest`, `.gtest` in
+# .git/info/exclude, carry [".gtest"]); the build uses it when find_package(GTest) fails.
+# SUPERCHIP_COMMIT names the commit in the results (the copied tree has no .git).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu_out}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export SUPERCHIP_EXECUTOR=${SUPERCHIP_EXECUTOR:-cuda}
+export SUPERCHIP_COMMIT=${SUPERCHIP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+status=0
+
+log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
+
+run() {  # run NAME CMD...: the command's output into the log; failures recorded, not fatal
+  local name=$1
+  shift
+  log "$name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "$name: rc $rc in $((SECONDS - t0)) s"
+  [[ $rc == 0 ]] || status=$rc
+}
+
+phase_build() {
+  local args="-DCMAKE_CUDA_ARCHITECTURES=${SUPERCHIP_CUDA_ARCHS:-90-real}"
+  [[ -d .gtest ]] && args+=" -DSUPERCHIP_GTEST_SOURCE_DIR=$PWD/.gtest"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+  SUPERCHIP_BUILD_TESTS=ON SUPERCHIP_CMAKE_ARGS="$args" JOBS=$(nproc) run build bash scripts/build_inplace.sh
+}
+
+phase_cpp() {
+  local b=build/inplace
+  run ops_cuda_tests "$b/test/cpp/ops/ops_cuda_tests" --gtest_brief=1
+  run ops_tests "$b/test/cpp/ops/ops_tests" --gtest_brief=1
+  run allocator_tests "$b/test/cpp/allocator/allocator_tests" --gtest_brief=1
+  run engine_tests "$b/backend/engine_tests" --gtest_brief=1
+}
+
+pytest_args=(-q -p no:cacheprovider -rfE)
+$PY -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout=600)
+
+phase_pytest_core() {
+  run pytest-core $PY -m pytest "${pytest_args[@]}" test/python/test_offload_engine.py \
+    test/python/test_optim.py test/python/test_weights_placement.py test/python/test_training_parity.py
+}
+
+phase_pytest() { run pytest $PY -m pytest "${pytest_args[@]}" test/python; }
+
+phase_bench() {  # phase_bench NAME SCRIPT ARGS...
+  local name=$1 script=$2
+  shift 2
+  run "bench-$name" $PY "bench/$script" "$@"
+}
+
+for phase in "$@"; do
+  case $phase in
+    build) phase_build ;;
+    cpp) phase_cpp ;;
+    pytest-core) phase_pytest_core ;;
+    pytest) phase_pytest ;;
+    bench-dispatch) phase_bench dispatch dispatch.py --json "$OUT/dispatch-gpu.json" ;;
+    bench-optim) phase_bench optim optim.py --json "$OUT/optim-gpu.json" ;;
+    bench-offload) phase_bench offload offload.py --out "$OUT/offload-gpu.txt" ;;
+    bench-weights) phase_bench weights weights_gpu.py --out "$OUT/weights-gpu.txt" ;;
+    bench-compile) phase_bench compile compile.py --json "$OUT/compile-gpu.json" ;;
+    *) log "unknown phase '$phase'"; status=2 ;;
+  esac
+done
+log "done: status $status"
+exit "$status"
