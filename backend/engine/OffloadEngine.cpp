@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <new>
 
 // Note [Pending storages]
 // The optimizer step behaves like a kernel launch: step() queues jobs and returns, and an
@@ -50,7 +51,7 @@ OffloadEngine& OffloadEngine::get() {
   return *engine;
 }
 
-OffloadEngine::OffloadEngine() : worker_([this] { worker_loop(); }) {}
+OffloadEngine::OffloadEngine() = default;
 
 OffloadEngine::~OffloadEngine() {
   {
@@ -58,7 +59,7 @@ OffloadEngine::~OffloadEngine() {
     stop_ = true;
   }
   work_cv_.notify_all();
-  worker_.join();
+  if (worker_.joinable()) worker_.join();
 }
 
 bool OffloadEngine::on_worker() { return t_on_worker; }
@@ -75,6 +76,7 @@ void OffloadEngine::wrap(EngineJob& job) {
 }
 
 uint64_t OffloadEngine::submit_locked(EngineJob job) {
+  if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   const uint64_t ticket = next_ticket_++;
   for (const auto& s : job.touched) {
     Entry& e = pending_[s.get()];
@@ -238,6 +240,26 @@ void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
     stats_[owner].exposed_seconds += seconds_since(t0);
   }
   release_finished();
+}
+
+void OffloadEngine::prepare_fork() {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Every job has run, its written hook included (it runs before done_upto_ moves). Holds stay:
+  // they are bytes at rest, and the child's worker rolls them back if a reader asks.
+  done_cv_.wait(lock, [&] { return done_upto_ + 1 == next_ticket_; });
+  lock.release();  // mu_ stays locked until after_fork(): no job is queued meanwhile
+}
+
+void OffloadEngine::after_fork(bool child) {
+  if (child) {
+    // The worker does not exist in the child, and a waiter the condition variables may still
+    // count never wakes: fresh ones, and a worker started by the next job. The old handle is
+    // dropped without join (there is no thread to join).
+    new (&work_cv_) std::condition_variable();
+    new (&done_cv_) std::condition_variable();
+    new (&worker_) std::thread();
+  }
+  mu_.unlock();
 }
 
 void OffloadEngine::set_written_hook(WrittenHook hook) { written_hook_.store(hook, std::memory_order_release); }

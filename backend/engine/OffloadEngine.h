@@ -16,6 +16,9 @@
 //    A job body that replaces a tensor it was given (a snapshot replacing a gradient) keeps
 //    the original in the job's `keep`.
 //  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize.
+//  - fork() (Note [Fork] in register/Fork.cpp): prepare_fork() waits until every queued job
+//    has run and keeps the engine locked until after_fork(); a child starts with no job in
+//    flight and no worker, and its first job starts a new worker.
 // Thread-safety: every member may be called from any thread except the worker itself.
 #pragma once
 
@@ -92,11 +95,16 @@ class OffloadEngine {
   void release_finished();
   static bool on_worker();
 
+  // fork() handlers (see above). prepare_fork() must not be called on the worker; after_fork()
+  // only after a prepare_fork() on the same thread.
+  void prepare_fork();
+  void after_fork(bool child);
+
  private:
   OffloadEngine();
   ~OffloadEngine();
   void worker_loop();
-  uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped
+  uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped; starts the worker
   void drop_hold_locked(const SpeculationHold* hold);
   static void wrap(EngineJob& job);
   void finish(EngineJob& job, double seconds);
@@ -122,7 +130,7 @@ class OffloadEngine {
   std::atomic<int64_t> active_{0};      // pending entries: the fast path reads only this
   std::atomic<bool> has_finished_{false};
   std::atomic<WrittenHook> written_hook_{nullptr};
-  std::thread worker_;
+  std::thread worker_;  // started by the first job (again in a forked child)
 };
 
 }  // namespace superchip

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <new>
 
 #include "allocator/Topology.h"
 #include "backend/engine/OffloadEngine.h"
@@ -237,8 +238,17 @@ void run_chunked(const std::vector<Arrays>& arrays, const StepFn& step) {
 
 }  // namespace
 
+namespace {
+
+std::mutex g_pool_mu;
+// Leaked: joining its workers at exit would wait for threads a forked child does not have.
+ops::ThreadPool* g_pool = nullptr;
+
+}  // namespace
+
 ops::ThreadPool& optimizer_pool() {
-  static std::unique_ptr<ops::ThreadPool> p = [] {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (g_pool == nullptr) {
     const Topology& topo = Topology::get();
     const NumaNode& node = topo.nodes()[topo.nearest_node(
         cuda_pci_bus_id(executor() == Executor::kCuda ? current_device() : -1))];
@@ -248,9 +258,16 @@ ops::ThreadPool& optimizer_pool() {
       TORCH_CHECK(v > 0, "SUPERCHIP_OPTIM_THREADS must be a positive integer, got '", env, "'.");
       threads = v;
     }
-    return std::make_unique<ops::ThreadPool>(std::max(1, threads), node.cpus);
-  }();
-  return *p;
+    g_pool = new ops::ThreadPool(std::max(1, threads), node.cpus);
+  }
+  return *g_pool;
+}
+
+void optimizer_pool_after_fork_child() {
+  // The pool's workers do not exist in the child: leave the pool (and a lock another thread
+  // may have held at fork) behind; the next step makes a new one.
+  new (&g_pool_mu) std::mutex();
+  g_pool = nullptr;
 }
 
 int optimizer_threads() { return optimizer_pool().num_threads(); }

@@ -64,6 +64,9 @@ class ThreadPool;
 }
 // The optimizer's thread pool (created on first use), pinned to the GPU-local NUMA node.
 ops::ThreadPool& optimizer_pool();
+// In a forked child (Note [Fork] in register/Fork.cpp): forget the parent's pool, whose workers
+// the child lacks; the next optimizer_pool() makes a new one.
+void optimizer_pool_after_fork_child();
 // Threads of the optimizer pool (SUPERCHIP_OPTIM_THREADS, or the cores of the GPU-local node).
 int optimizer_threads();
 // The SIMD path the kernels take (SUPERCHIP_SIMD forces one).

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -98,6 +99,23 @@ class ThreadCopier final : public StagingCopier {
   double measured_bytes() override { return bytes_.load(std::memory_order_relaxed); }
   const char* kind() const noexcept override { return "thread"; }
 
+  void prepare_fork() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    lock.release();  // until after_fork()
+  }
+
+  void after_fork(bool child) override {
+    if (child) {
+      // No copier thread in the child (see OffloadEngine::after_fork): fresh condition
+      // variables, and a thread started by the next copy.
+      new (&work_cv_) std::condition_variable();
+      new (&done_cv_) std::condition_variable();
+      new (&thread_) std::thread();
+    }
+    mu_.unlock();
+  }
+
  private:
   struct Job {
     void* dst;
@@ -114,11 +132,13 @@ class ThreadCopier final : public StagingCopier {
         work_cv_.wait(lock, [&] { return !queue_.empty(); });
         job = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
       }
       copy_now(job.dst, job.src, job.n);
       {
         std::lock_guard<std::mutex> lock(mu_);
         job.ticket->done = true;
+        busy_ = false;
       }
       done_cv_.notify_all();
     }
@@ -129,9 +149,11 @@ class ThreadCopier final : public StagingCopier {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<Job> queue_;
+  bool busy_ = false;  // under mu_: the thread is copying a job it took off queue_
   std::atomic<double> seconds_{0.0};
   std::atomic<double> bytes_{0.0};
-  std::thread thread_;  // never joined: the copier lives as long as the process
+  std::thread thread_;  // never joined: the copier lives as long as the process (a new one in
+                        // a forked child)
 };
 
 #ifdef SUPERCHIP_HAVE_CUDA

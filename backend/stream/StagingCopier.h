@@ -42,6 +42,10 @@ class StagingCopier {
   virtual double measured_bytes() = 0;
   // "thread" or "cuda_stream".
   virtual const char* kind() const noexcept = 0;
+  // fork() (Note [Fork] in register/Fork.cpp): prepare_fork() waits for the copies in flight
+  // and keeps new ones out until after_fork(); a child's next copy starts a new thread.
+  virtual void prepare_fork() {}
+  virtual void after_fork(bool /*child*/) {}
 };
 
 // The copier of `device` for the executor in use.

@@ -190,6 +190,8 @@ struct WeightStreamer::Impl {
   bool enabled = true;
   std::atomic<bool> active{false};
   std::unique_ptr<StagingCopier> copier_;  // created with the first copy (under mu)
+  std::atomic<StagingCopier*> created_copier{nullptr};  // copier_, readable without mu (fork)
+  StagingCopier* forking = nullptr;  // the copier prepare_fork() quiesced
 
   // Weights (identity -> liveness).
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> weights;
@@ -239,7 +241,10 @@ struct WeightStreamer::Impl {
   MemoryManager& mm() { return memory(current_device()); }
 
   StagingCopier& copier() {
-    if (!copier_) copier_ = make_staging_copier(mm(), current_device());
+    if (!copier_) {
+      copier_ = make_staging_copier(mm(), current_device());
+      created_copier.store(copier_.get(), std::memory_order_release);
+    }
     return *copier_;
   }
   double copy_seconds() const { return copier_ ? copier_->seconds() - seconds_at_reset : 0.0; }
@@ -768,6 +773,17 @@ void WeightStreamer::replan() {
   impl_->last = nullptr;
   impl_->start_recording();
   impl_->state = State::kIdle;
+}
+
+void WeightStreamer::prepare_fork() {
+  // Not under mu: a thread holding mu may be waiting for the engine, which Fork.cpp has locked.
+  impl_->forking = impl_->created_copier.load(std::memory_order_acquire);
+  if (impl_->forking != nullptr) impl_->forking->prepare_fork();
+}
+
+void WeightStreamer::after_fork(bool child) {
+  if (impl_->forking != nullptr) impl_->forking->after_fork(child);
+  impl_->forking = nullptr;
 }
 
 void WeightStreamer::release_staging() {

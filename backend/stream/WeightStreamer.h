@@ -117,6 +117,11 @@ class WeightStreamer {
   // Waits for copies in flight and releases every staged copy not in use.
   void release_staging();
 
+  // fork() (Note [Fork] in register/Fork.cpp): waits for the copies in flight and keeps new
+  // ones out until after_fork(); the child's copier starts anew.
+  void prepare_fork();
+  void after_fork(bool child);
+
   StreamStats stats();
   void reset_stats();
   StreamPlan plan();

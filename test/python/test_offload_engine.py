@@ -419,3 +419,74 @@ def test_engine_needs_superchip_parameters():
     assert opt._engine.overlap
     opt.add_param_group({"params": cpu.weight})
     assert len(opt.param_groups) == 2 and not opt._engine.overlap
+
+
+_FORK_SCRIPT = r"""
+import os, sys, time, torch, superchip
+out = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to("superchip")
+opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, bucket_bytes=256 << 10)
+x = torch.randn(16, 512, device="superchip")
+
+def backward_and_step():
+    model(x).square().mean().backward()
+    opt.step()
+
+for _ in range(3):
+    backward_and_step()
+    opt.zero_grad()
+backward_and_step()  # returns with buckets still to step: fork now
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)  # torch's rule for a forked child (GNU OpenMP); autograd is refused
+    torch.save([p.detach().cpu() for p in model.parameters()], f"{out}/after_fork.pt")
+    with torch.no_grad():
+        torch.save(model(x).cpu(), f"{out}/forward.pt")
+    opt.step()  # a new engine worker and optimizer pool (and copier, when streaming)
+    torch.save([p.detach().cpu() for p in model.parameters()], f"{out}/second_step.pt")
+    torch.save(opt.offload_stats()["steps"], f"{out}/steps.pt")
+    sys.exit(0)  # a normal exit: atexit handlers synchronize the engine
+deadline = time.monotonic() + 120
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        sys.exit("the forked child hung")
+    time.sleep(0.05)
+assert os.waitstatus_to_exitcode(status) == 0, status
+
+def same(a, b):
+    return all(torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(a, b))
+
+assert same([p.detach().cpu() for p in model.parameters()], torch.load(f"{out}/after_fork.pt"))
+with torch.no_grad():
+    assert same([model(x).cpu()], [torch.load(f"{out}/forward.pt")])
+steps = opt.offload_stats()["steps"]
+opt.step()
+assert same([p.detach().cpu() for p in model.parameters()], torch.load(f"{out}/second_step.pt"))
+assert torch.load(f"{out}/steps.pt") == steps + 1 == opt.offload_stats()["steps"]
+print("stream plan:", superchip.weights_plan()["state"])
+print("fork ok")
+"""
+
+
+@pytest.mark.parametrize("hbm", [None, "1M"], ids=["hbm", "streamed"])
+def test_forked_child_sees_the_finished_step_and_steps_on(tmp_path, hbm):
+    # Note [Fork]: a child forked while the step is still pending gets the finished step's
+    # bytes, starts its own worker, pool and copier, and exits without hanging. ("streamed":
+    # 4 MiB of weights over a 1 MiB hbm, so the copier thread runs too.)
+    import os
+    import subprocess
+
+    env = dict(os.environ, SUPERCHIP_OPTIM_THREADS="1")
+    if hbm is not None:
+        env["SUPERCHIP_HBM_BYTES"] = hbm
+    r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fork ok" in r.stdout
+    if hbm is not None:
+        assert "stream plan: streaming" in r.stdout, r.stdout
