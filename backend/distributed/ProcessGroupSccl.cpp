@@ -69,7 +69,7 @@ class Operands {
     if (superchip) {
       leases.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
                               t.storage().unsafeGetStorageImpl()),
-                          what_);
+                          what_, written);
       const c10::Device d = t.device();
       bool seen = false;
       for (const c10::Device& x : devices) seen |= x == d;

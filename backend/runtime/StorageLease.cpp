@@ -6,6 +6,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "backend/stream/WeightStreamer.h"
+
 namespace superchip {
 namespace {
 
@@ -26,8 +28,8 @@ std::unordered_map<const c10::StorageImpl*, Entry>& leases() {
 
 }  // namespace
 
-StorageLease::StorageLease(c10::intrusive_ptr<c10::StorageImpl> storage, std::string what)
-    : storage_(std::move(storage)) {
+StorageLease::StorageLease(c10::intrusive_ptr<c10::StorageImpl> storage, std::string what, bool writes)
+    : storage_(std::move(storage)), writes_(writes) {
   if (!storage_) return;
   std::lock_guard<std::mutex> g(lease_mutex());
   Entry& e = leases()[storage_.get()];
@@ -35,12 +37,14 @@ StorageLease::StorageLease(c10::intrusive_ptr<c10::StorageImpl> storage, std::st
   e.what = std::move(what);
 }
 
-StorageLease::StorageLease(StorageLease&& other) noexcept : storage_(std::move(other.storage_)) {}
+StorageLease::StorageLease(StorageLease&& other) noexcept
+    : storage_(std::move(other.storage_)), writes_(other.writes_) {}
 
 StorageLease& StorageLease::operator=(StorageLease&& other) noexcept {
   if (this != &other) {
     release();
     storage_ = std::move(other.storage_);
+    writes_ = other.writes_;
   }
   return *this;
 }
@@ -54,6 +58,8 @@ void StorageLease::release() noexcept {
     auto it = leases().find(storage_.get());
     if (it != leases().end() && --it->second.count <= 0) leases().erase(it);
   }
+  // The work's writes are final (a lease ends after them): copies staged meanwhile are stale.
+  if (writes_) WeightStreamer::get().note_written(storage_.get());
   storage_.reset();
 }
 

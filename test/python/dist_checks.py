@@ -294,6 +294,29 @@ def check_async_work_and_tier_move():
         dist.send(data(4).to(DEV), 0)
 
 
+def check_collective_writes_streamed_weight():
+    # A weight in host is read through a copy staged in hbm (WeightStreamer). A collective that
+    # writes it must make a copy staged while it ran stale, also when the write lands after the
+    # call returned (an irecv whose send comes late).
+    w = data(4096, seed=7).to(DEV)  # a weight: copied in whole from the CPU
+    superchip.move_to_tier(w, "host")
+    sent = data(4096, seed=8, rank=1)
+    if RANK == 0:
+        req = dist.irecv(w, 1)
+        staged = superchip.stream_stats()["staged_copies"]
+        before = (w * 1).cpu()  # stages a copy of the old bytes; the recv has not landed
+        staged_during = superchip.stream_stats()["staged_copies"] - staged
+        dist.barrier()
+        req.wait()
+        after = (w * 1).cpu()
+        assert staged_during == 1, f"no copy was staged during the recv ({staged_during})"
+        assert torch.equal(before, data(4096, seed=7))
+        assert torch.equal(after, sent), "a read after the recv used the copy staged before it"
+    else:
+        dist.barrier()
+        dist.send(sent.to(DEV), 0)
+
+
 def check_functional_collectives():
     import torch.distributed._functional_collectives as funcol
 
@@ -608,6 +631,7 @@ GROUPS = {
     "collectives": ["backend_selection", "broadcast", "allreduce_ops", "allgather", "reduce_scatter",
                     "coalesced", "alltoall", "send_recv", "reduce_gather_scatter",
                     "barrier_and_objects", "host_tier_operands", "async_work_and_tier_move",
+                    "collective_writes_streamed_weight",
                     "functional_collectives", "other_backend_strings", "device_id_and_split"],
     "training": ["ddp", "ddp_superchip_optim", "fsdp2", "fsdp2_superchip_optim", "dcp_roundtrip",
                  "dtensor_random_init", "ulysses"],
