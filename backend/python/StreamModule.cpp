@@ -8,8 +8,29 @@
 namespace py = pybind11;
 
 namespace superchip {
+namespace {
+
+// WeightStreamer::ApplyRequest: a plan has demotions; superchip schedules apply() before the
+// next module call (python/superchip/__init__.py). Runs inside an operator, which ATen's
+// Python bindings call with the GIL released: take it, as torch's own refcounting does.
+void schedule_apply() noexcept {
+  if (Py_IsInitialized() == 0) return;
+  try {
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("superchip").attr("_apply_stream_plan_at_next_module")();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("superchip: scheduling the weight plan's demotions");
+    }
+  } catch (...) {
+    // Nothing scheduled: the optimizer step hook still applies the plan in training loops.
+  }
+}
+
+}  // namespace
 
 void bind_stream(py::module& m) {
+  WeightStreamer::get().set_apply_request_hook(&schedule_apply);
   m.def("_stream_stats", [] {
     const StreamStats s = WeightStreamer::get().stats();
     py::dict d;

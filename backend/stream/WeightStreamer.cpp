@@ -45,6 +45,18 @@
 // copies fit in half of that budget (the other half holds the copies being released and the
 // one in use); copies that leave the window [cursor, cursor + depth] are released at once.
 //
+// Note [Inputs are not weights]
+// Weights are recognised by how they arrive (copied in whole from the CPU), and so is a float
+// input batch: x.to("superchip") each step is a new "weight" read once or twice per pass, which
+// kept every two stretches of the trace different, so a model with float inputs was never
+// planned. A model's weights are on the device before its first pass; a batch arrives while
+// passes run. So recording ignores storages marked after it began (the batch of the pass in
+// which it began is recorded once, at its start, and does not repeat: harmless); while
+// streaming, a batch is a read outside the order seen in one period only, which changes
+// nothing. A weight that comes later (a second model) is such a read in every period, which
+// starts a new recording that includes it. Dead weights' entries are purged with their
+// addresses, which a later batch may reuse.
+//
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
 // Every write path marks the copy stale: a kernel given the storage to write (AliasSet, when it
@@ -192,10 +204,18 @@ struct WeightStreamer::Impl {
   std::unique_ptr<StagingCopier> copier_;  // created with the first copy (under mu)
   std::atomic<StagingCopier*> created_copier{nullptr};  // copier_, readable without mu (fork)
   StagingCopier* forking = nullptr;  // the copier prepare_fork() quiesced
+  std::atomic<bool> apply_wanted{false};  // a plan has demotions apply() has not done
+  std::atomic<WeightStreamer::ApplyRequest> apply_hook{nullptr};
 
-  // Weights (identity -> liveness).
-  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> weights;
+  // Weights (identity -> liveness, and when it was marked: Note [Inputs are not weights]).
+  struct Weight {
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+    uint64_t marked;  // value of `marks` that marked it
+  };
+  std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
+  uint64_t marks = 0;      // weights marked so far
+  uint64_t rec_marks = 0;  // `marks` when recording began
 
   State state = State::kIdle;
   const c10::StorageImpl* last = nullptr;
@@ -259,6 +279,7 @@ struct WeightStreamer::Impl {
     trace_pairs.clear();
     rec_peak = 0;
     rec_base = both_tiers_allocated();
+    rec_marks = marks;
     arena.reset();  // freed when its last staged copy goes
     order.clear();
     pairs.clear();
@@ -290,7 +311,7 @@ struct WeightStreamer::Impl {
     for (size_t i = from; i < trace.size(); ++i) {
       auto w = weights.find(trace[i]);
       c10::weak_intrusive_ptr<c10::StorageImpl> weak =
-          w != weights.end() ? w->second : c10::weak_intrusive_ptr<c10::StorageImpl>(
+          w != weights.end() ? w->second.weak : c10::weak_intrusive_ptr<c10::StorageImpl>(
                                                c10::intrusive_ptr<c10::StorageImpl>());
       order.push_back({trace[i], std::move(weak), trace_bytes[i]});
     }
@@ -361,6 +382,7 @@ struct WeightStreamer::Impl {
     }
     demoted = static_cast<int64_t>(demote.size());
     if (demote.empty()) allocate_arena();
+    else apply_wanted.store(true, std::memory_order_relaxed);
     // Depth: upcoming reads whose distinct streamed copies fit in the arena with the one in use.
     depth = 0;
     if (need <= staging_budget) {
@@ -395,6 +417,10 @@ struct WeightStreamer::Impl {
   // Records one (collapsed) read; may turn the trace into a plan.
   void record(const c10::StorageImpl* prev, const c10::StorageImpl* s, size_t nbytes) {
     sample_peak();
+    // Note [Inputs are not weights]: marked since recording began, so not part of the order.
+    auto w = weights.find(s);
+    if (w != weights.end() && w->second.marked > rec_marks) return;
+    if (!trace.empty()) prev = trace.back();
     if (prev != nullptr) {
       auto it = trace_pairs.find(PairKey(prev, s));
       if (it != trace_pairs.end()) {
@@ -572,8 +598,13 @@ struct WeightStreamer::Impl {
   void maybe_purge_weights() {
     if (weights.size() < purge_at) return;
     for (auto it = weights.begin(); it != weights.end();) {
-      if (it->second.expired()) it = weights.erase(it);
-      else ++it;
+      if (it->second.weak.expired()) {
+        // Its address may be reused now: forget it was read outside the plan, too.
+        unknown_seen.erase(it->first);
+        it = weights.erase(it);
+      } else {
+        ++it;
+      }
     }
     purge_at = std::max<size_t>(1024, weights.size() * 2);
   }
@@ -602,9 +633,11 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->maybe_purge_weights();
   auto it = impl_->weights.find(&storage);
-  if (it == impl_->weights.end() || it->second.expired()) {
-    impl_->weights.insert_or_assign(&storage, c10::weak_intrusive_ptr<c10::StorageImpl>(
-        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)));
+  if (it == impl_->weights.end() || it->second.weak.expired()) {
+    impl_->weights.insert_or_assign(
+        &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                   c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
+                               ++impl_->marks});
   }
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.
@@ -625,6 +658,15 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
   // The engine's worker reads in place: entries hold storages, which only operator threads
   // may reference (Note [Engine and the GIL]).
   if (!active() || OffloadEngine::on_worker()) return {};
+  // Last out, after the lock and `dead`: a plan made by this read asks for apply().
+  struct RequestApply {
+    Impl& d;
+    ~RequestApply() {
+      if (d.apply_wanted.load(std::memory_order_relaxed) && d.apply_wanted.exchange(false)) {
+        if (ApplyRequest hook = d.apply_hook.load(std::memory_order_acquire)) hook();
+      }
+    }
+  } request{*impl_};
   std::vector<std::shared_ptr<Entry>> dead;
   c10::DataPtr result;
   {
@@ -736,7 +778,7 @@ void WeightStreamer::set_enabled(bool enabled) {
       impl_->state = State::kIdle;
     } else {
       for (const auto& [s, w] : impl_->weights) {
-        if (!w.expired() && impl_->in_host(s)) {
+        if (!w.weak.expired() && impl_->in_host(s)) {
           impl_->active.store(true, std::memory_order_release);
           break;
         }
@@ -747,7 +789,12 @@ void WeightStreamer::set_enabled(bool enabled) {
   }
 }
 
+void WeightStreamer::set_apply_request_hook(ApplyRequest hook) {
+  impl_->apply_hook.store(hook, std::memory_order_release);
+}
+
 void WeightStreamer::apply() {
+  impl_->apply_wanted.store(false, std::memory_order_relaxed);
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);

@@ -15,7 +15,9 @@
 //    arena reserved in hbm (what hbm has free less that measured peak, at least the two largest
 //    consecutive streamed reads) and the prefetch window the arena allows. When hbm has too
 //    little free for that least arena, the plan demotes the largest stationary weights to host
-//    (applied between operators: apply()), so they are streamed too. While streaming, each read
+//    (applied between operators: apply(), before the next module call or after the optimizer
+//    step), so they are streamed too. Float input batches copied in while passes run are
+//    marked too, but never enter the order (Note [Inputs are not weights]). While streaming, each read
 //    advances a cursor through the order, stages the next weights of the window ahead of use
 //    (a copier thread in emulated mode) and releases staged copies that left the window. The
 //    plan is redone when the hbm budget changes, a planned weight dies, a new weight keeps
@@ -110,8 +112,14 @@ class WeightStreamer {
   bool enabled() const noexcept;
   // Applies what the plan decided but an operator could not do: demotes the stationary weights
   // it chose to stream (so the staging arena fits) and reserves the arena. Call between
-  // operators, from a thread that may hold the GIL (Python's optimizer step hook does).
+  // operators, from a thread that may hold the GIL (Python's module pre-hook and optimizer
+  // step hook do).
   void apply();
+  // Called once per plan that has demotions, on the operator thread that made it, after the
+  // streamer's lock is released: it asks for apply() at the next safe point (the Python layer
+  // schedules it before the next module call, so inference-only loops get it too).
+  using ApplyRequest = void (*)() noexcept;
+  void set_apply_request_hook(ApplyRequest hook);
   // Forgets the plan: the next reads record again.
   void replan();
   // Waits for copies in flight and releases every staged copy not in use.

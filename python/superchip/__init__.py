@@ -168,6 +168,30 @@ def _apply_stream_plan(optimizer, args, kwargs) -> None:
     _C._stream_apply()
 
 
+_demotion_hook = None
+
+
+def _apply_stream_plan_at_next_module() -> None:
+    # Called by the streamer when a new plan has demotions (WeightStreamer::ApplyRequest): they
+    # are applied between operators, before the next module call, so inference-only loops get
+    # them too (training loops also reach the optimizer step hook). One-shot: no hook stays on
+    # every module call.
+    global _demotion_hook
+    if _demotion_hook is None:
+        _demotion_hook = torch.nn.modules.module.register_module_forward_pre_hook(_demote_before_module)
+
+
+def _demote_before_module(module, args) -> None:
+    global _demotion_hook
+    if torch.compiler.is_compiling():
+        return None  # traced code holds no bytes: the next eager module call applies
+    handle, _demotion_hook = _demotion_hook, None
+    if handle is not None:
+        handle.remove()
+    _C._stream_apply()
+    return None
+
+
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
 
 _register_step_post_hook(_apply_stream_plan)

@@ -243,3 +243,70 @@ def test_streaming_plan_tied_weights_writes_and_replanning():
     assert r["v_after"] > r["v_before"] and r["same_replanned"], r
     assert r["off"] == "off" and r["same_off"], r
     assert r["peak"] <= r["cap"], r
+
+
+def test_inference_only_loop_applies_the_plans_demotions():
+    # No optimizer step: the plan's demotions (which make room for the staging arena) are
+    # applied before the next module call (WeightStreamer::ApplyRequest), so an eval loop over
+    # a model 4x the hbm budget streams through a reserved arena too, bitwise equal to CPU.
+    r = _run("""
+        import copy
+        ref = llama()
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        model = copy.deepcopy(ref).to("superchip")
+        placed_host = [superchip.tier_of(p) for p in model.parameters()].count("host")
+        ref.eval(); model.eval()
+        g = torch.Generator().manual_seed(1)
+        bitwise = []
+        with torch.no_grad():
+            for _ in range(6):
+                x = torch.randint(0, 512, (2, 48), generator=g)
+                bitwise.append(torch.equal(ref(input_ids=x).logits, model(input_ids=x.to("superchip")).logits.cpu()))
+        plan = superchip.weights_plan(model)
+        plan.pop("order")
+        print(json.dumps(dict(stream=superchip.stream_stats(), plan=plan, budget=budget,
+                              param_bytes=param_bytes(ref), placed_host=placed_host,
+                              now_host=[superchip.tier_of(p) for p in model.parameters()].count("host"),
+                              bitwise=bitwise, peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm="640K")
+    st, plan = r["stream"], r["plan"]
+    assert r["param_bytes"] >= 4 * r["budget"], r
+    assert all(r["bitwise"]), r
+    assert plan["state"] == "streaming" and plan["version"] == 1 and plan["demoted"] > 0, r
+    assert r["now_host"] == r["placed_host"] + plan["demoted"], r  # the demotions happened
+    assert 0 < plan["staging_budget"] <= r["budget"], r
+    assert st["prefetched"] > 0 and st["hits"] > 0, r
+    assert st["staging_peak_bytes"] <= plan["staging_budget"] and r["peak_hbm"] <= r["budget"], r
+
+
+def test_float_input_batches_do_not_keep_the_plan_from_forming():
+    # Note [Inputs are not weights]: a float batch copied in each step (x.to("superchip")) is
+    # marked like a weight; it must not enter the recorded order, or no two passes look alike
+    # and nothing is ever planned. An MLP 4x the budget, SGD, a fresh float batch per step.
+    r = _run("""
+        import copy
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh())
+                                    for _ in range(12)])
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        model = copy.deepcopy(ref).to("superchip")
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        bitwise = []
+        for _ in range(6):
+            x = torch.randn(8, 128, generator=g)
+            ref(x).square().mean().backward(); o_ref.step(); o_ref.zero_grad()
+            model(x.to("superchip")).square().mean().backward(); o.step(); o.zero_grad()
+            bitwise.append(all(torch.equal(a, b.cpu()) for a, b in zip(ref.parameters(), model.parameters())))
+        plan = superchip.weights_plan(model)
+        plan.pop("order")
+        print(json.dumps(dict(stream=superchip.stream_stats(), plan=plan, budget=budget,
+                              param_bytes=param_bytes(ref), bitwise=bitwise,
+                              peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm="192K")
+    st, plan = r["stream"], r["plan"]
+    assert r["param_bytes"] >= 4 * r["budget"], r
+    assert all(r["bitwise"]), r
+    assert plan["state"] == "streaming" and plan["version"] == 1 and st["plans"] == 1, r
+    assert st["prefetched"] > 0 and st["hits"] > 0 and r["peak_hbm"] <= r["budget"], r
