@@ -130,6 +130,7 @@ struct OpFacts {
   std::vector<int> device_args;      // positions of Device? arguments
   std::vector<bool> mutable_args;    // per argument: written by the op (alias_info is_write)
   bool allows_cpu_operands = false;  // index ops take CPU index tensors, as on CUDA
+  int rows_arg = -1;                 // the operand read by rows (Access::kReadRows), or -1
 };
 
 const OpFacts& facts_of(const c10::OperatorHandle& op) {
@@ -158,6 +159,11 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
   const std::string& name = schema.name();
   f.allows_cpu_operands = name == "aten::index" || name == "aten::index_put_" ||
                           name == "aten::_index_put_impl_" || name == "aten::index_put";
+  // Gathers of rows: the table (weight / self) is their first argument.
+  if (name == "aten::embedding" || name == "aten::index_select" || name == "aten::embedding_bag" ||
+      name == "aten::_embedding_bag" || name == "aten::_embedding_bag_forward_only") {
+    f.rows_arg = 0;
+  }
   return cache.emplace(&schema, std::move(f)).first->second;
 }
 
@@ -236,9 +242,9 @@ class ForwardedCall {
     if (device_ < 0) device_ = current_device();
   }
 
-  at::Tensor alias_of(const at::Tensor& t, bool mutated) {
+  at::Tensor alias_of(const at::Tensor& t, bool mutated, bool rows = false) {
     if (!is_superchip(t)) return t;
-    at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : Access::kRead);
+    at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : rows ? Access::kReadRows : Access::kRead);
     for (AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) {
         p.mutated |= mutated;
@@ -254,7 +260,7 @@ class ForwardedCall {
       c10::IValue& v = (*stack_)[first_ + k];
       const bool mutated = facts_.mutable_args[k];
       if (v.isTensor()) {
-        v = alias_of(v.toTensor(), mutated);
+        v = alias_of(v.toTensor(), mutated, static_cast<int>(k) == facts_.rows_arg);
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> list = v.toTensorList();
         c10::List<at::Tensor> out;
@@ -376,6 +382,8 @@ c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
   OffloadEngine::get().wait_for_storage(si);
   WeightStreamer& streamer = WeightStreamer::get();
   const bool streaming = streamer.active();
+  const bool rows = access == Access::kReadRows;
+  if (rows) access = Access::kRead;
   // A write makes any staged copy of a weight stale (Note [Staged copies and writes]).
   if (access == Access::kWrite && streaming) streamer.note_written(si);
   const c10::Device device = executor_device(t.device().index());
@@ -394,7 +402,12 @@ c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
     return s.executor;
   }
   // A weight that lives in host is read from its copy in hbm (stream/WeightStreamer.h).
-  c10::DataPtr staged = access == Access::kRead && streaming ? streamer.read(si, device) : c10::DataPtr();
+  // ... unless the kernel reads a few rows of it: then in place (Note [Row reads]).
+  c10::DataPtr staged;
+  if (access == Access::kRead && streaming) {
+    if (rows) streamer.note_rows_read(si);
+    else staged = streamer.read(si, device);
+  }
   const bool is_staged = staged.get() != nullptr;
   c10::Storage storage(c10::Storage::use_byte_size_t(), si->nbytes(),
                        is_staged ? std::move(staged) : alias_data_ptr(si, access, device),

@@ -61,6 +61,11 @@ void bind_stream(py::module& m) {
       order.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
     }
     d["order"] = order;
+    py::list rows;
+    for (const StreamPlanEntry& e : p.row_reads) {
+      rows.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
+    }
+    d["row_reads"] = rows;
     d["streamed_bytes"] = p.streamed_bytes;
     d["hbm_capacity"] = p.hbm_capacity;
     d["activation_peak_bytes"] = p.activation_peak_bytes;

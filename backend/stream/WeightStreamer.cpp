@@ -36,8 +36,10 @@
 // misprediction. The plan is redone (recording again) when:
 //  - the hbm budget differs from the one the plan was made for;
 //  - a planned weight died (a new model);
-//  - a weight outside the order is read in two different periods (it persists: a new weight);
-//  - more than a quarter of a period's reads were mispredicted (the order changed), at most
+//  - a weight outside the order is read in two different periods (it persists: a new weight),
+//    or 16 of them in a row with no planned weight among them (a new model);
+//  - more than a quarter of a period's reads were mispredicted (the order changed; periods
+//    shorter than half the order are judged together with the next ones), at most
 //    three times in a row (after that it stops planning: "unplanned", copies at use).
 // Budget: staging may use hbm's capacity minus the peak that everything else (stationary
 // weights, activations, gradients, optimizer state) reached during recording, minus 1/32 of
@@ -51,11 +53,23 @@
 // kept every two stretches of the trace different, so a model with float inputs was never
 // planned. A model's weights are on the device before its first pass; a batch arrives while
 // passes run. So recording ignores storages marked after it began (the batch of the pass in
-// which it began is recorded once, at its start, and does not repeat: harmless); while
+// which it began is recorded once, at its start, and does not repeat: harmless), unless 16
+// of them come in a row with nothing older (a model moved to the device after recording
+// began, say after reads of another model's weights): then recording begins again. While
 // streaming, a batch is a read outside the order seen in one period only, which changes
 // nothing. A weight that comes later (a second model) is such a read in every period, which
 // starts a new recording that includes it. Dead weights' entries are purged with their
 // addresses, which a later batch may reuse.
+//
+// Note [Row reads]
+// An embedding lookup (or index_select) reads a few rows of its table: staging the whole
+// table to read them moves the table's bytes where the kernel needs only tokens x row bytes
+// (an 8B Llama's 1 GB embedding, for a few MB of rows). So those kernels read the table in
+// place (Access::kReadRows), even in host, and such reads are left out of the order. While
+// recording they are noted: a weight only ever read by rows is the first the plan demotes
+// when hbm lacks room for the arena (demoting it adds nothing to stage), before the largest
+// stationary weights. A weight also read whole (a tied LM head) is in the order as usual;
+// its row reads still read in place.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
@@ -74,6 +88,7 @@ namespace {
 constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
+constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
 
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
@@ -216,6 +231,8 @@ struct WeightStreamer::Impl {
   size_t purge_at = 1024;
   uint64_t marks = 0;      // weights marked so far
   uint64_t rec_marks = 0;  // `marks` when recording began
+  size_t young_streak = 0;  // reads in a row of weights marked since then
+  size_t unknown_streak = 0;  // streaming: reads in a row of weights outside the order
 
   State state = State::kIdle;
   const c10::StorageImpl* last = nullptr;
@@ -251,6 +268,9 @@ struct WeightStreamer::Impl {
   size_t period_misses = 0;
   int replans_in_row = 0;
   std::unordered_map<const c10::StorageImpl*, int64_t> unknown_seen;  // -> period first read
+  std::unordered_set<const c10::StorageImpl*> rows_read;  // read by rows while recording (kept
+                                                          // while streaming)
+  std::vector<Item> row_only;  // of those, the plan's weights never read whole
 
   std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Entry>> staged;
   std::vector<std::shared_ptr<Entry>> graveyard;  // released on an operator thread
@@ -280,11 +300,15 @@ struct WeightStreamer::Impl {
     rec_peak = 0;
     rec_base = both_tiers_allocated();
     rec_marks = marks;
+    young_streak = 0;
+    unknown_streak = 0;
     arena.reset();  // freed when its last staged copy goes
     order.clear();
     pairs.clear();
     first.clear();
     unknown_seen.clear();
+    rows_read.clear();
+    row_only.clear();
     depth = 0;
   }
 
@@ -339,6 +363,20 @@ struct WeightStreamer::Impl {
     }
     std::sort(stationary.begin(), stationary.end(),
               [](const Item* a, const Item* b) { return a->nbytes > b->nbytes; });
+    // Note [Row reads]: weights only read by rows, in hbm, are demoted first (largest first).
+    row_only.clear();
+    for (const c10::StorageImpl* r : rows_read) {
+      auto w = weights.find(r);
+      if (first.count(r) || w == weights.end() || w->second.weak.expired()) continue;
+      row_only.push_back({r, w->second.weak, r->nbytes()});
+    }
+    std::sort(row_only.begin(), row_only.end(), [](const Item& a, const Item& b) { return a.nbytes > b.nbytes; });
+    std::vector<const Item*> candidates;
+    for (const Item& r : row_only) {
+      if (!in_host(r.s)) candidates.push_back(&r);
+    }
+    const size_t rows_first = candidates.size();
+    candidates.insert(candidates.end(), stationary.begin(), stationary.end());
     const auto hbm_used = static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes) -
                           std::min(static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes),
                                    static_cast<size_t>(st.staging_bytes));
@@ -369,14 +407,15 @@ struct WeightStreamer::Impl {
       }
       const size_t avail = plan_capacity + freed;
       const size_t free_now = avail > hbm_used + margin ? avail - hbm_used - margin : 0;
-      if (free_now >= least || next_demote == stationary.size()) {
+      if (free_now >= least || next_demote == candidates.size()) {
         // Room for the activations' measured peak first, then for staging, at least `least`.
         size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
         staging_budget = std::min(std::min(std::max(want, least), need), free_now);
         break;
       }
-      const Item* d = stationary[next_demote++];
-      streamed.insert(d->s);
+      const bool row_read = next_demote < rows_first;  // read in place: nothing to stage
+      const Item* d = candidates[next_demote++];
+      if (!row_read) streamed.insert(d->s);
       demote.push_back(d->weak);
       freed += d->nbytes;
     }
@@ -417,9 +456,14 @@ struct WeightStreamer::Impl {
   // Records one (collapsed) read; may turn the trace into a plan.
   void record(const c10::StorageImpl* prev, const c10::StorageImpl* s, size_t nbytes) {
     sample_peak();
-    // Note [Inputs are not weights]: marked since recording began, so not part of the order.
+    // Note [Inputs are not weights]: marked since recording began, so not part of the order,
+    // unless nothing else is read (a model that came after recording began).
     auto w = weights.find(s);
-    if (w != weights.end() && w->second.marked > rec_marks) return;
+    if (w != weights.end() && w->second.marked > rec_marks) {
+      if (++young_streak < kYoungStreak) return;
+      start_recording();  // now none of them is young
+    }
+    young_streak = 0;
     if (!trace.empty()) prev = trace.back();
     if (prev != nullptr) {
       auto it = trace_pairs.find(PairKey(prev, s));
@@ -478,9 +522,12 @@ struct WeightStreamer::Impl {
       auto p = pairs.find(PairKey(prev, s));
       auto f = first.find(s);
       if (p == pairs.end() && f == first.end()) {
-        // A weight outside the plan: a new one if it keeps being read (Note [Streaming plan]).
+        // A table the plan knows as read by rows, read whole for once (Note [Row reads]).
+        if (rows_read.count(s)) return true;
+        // A weight outside the plan: a new one if it keeps being read (Note [Streaming plan]),
+        // or if nothing planned is read any more (a new model; the old one may be alive).
         auto [u, inserted] = unknown_seen.emplace(s, period);
-        if (!inserted && u->second != period) {
+        if ((!inserted && u->second != period) || ++unknown_streak >= kYoungStreak) {
           replans_in_row = 0;
           start_recording();
           return false;
@@ -492,18 +539,22 @@ struct WeightStreamer::Impl {
       pos = p != pairs.end() ? p->second : f->second;
     }
     if (pos <= cursor && !(pos == cursor && n == 1)) {
-      // Wrapped: a period ended.
+      // Wrapped: a period ended. Misses are judged over at least half an order of reads: a
+      // jump back after a few reads (parameters read once for a check) is one short period.
       period++;
-      if (period_reads > 0 && period_misses * 4 > period_reads) {
-        replan_or_give_up();
-        return false;
+      if (2 * period_reads >= n) {
+        if (period_misses * 4 > period_reads) {
+          replan_or_give_up();
+          return false;
+        }
+        if (period_misses == 0) replans_in_row = 0;
+        period_reads = 0;
+        period_misses = 0;
       }
-      if (period_misses == 0) replans_in_row = 0;
-      period_reads = 0;
-      period_misses = 0;
     }
     period_reads++;
     cursor = pos;
+    unknown_streak = 0;
     return true;
   }
 
@@ -601,6 +652,7 @@ struct WeightStreamer::Impl {
       if (it->second.weak.expired()) {
         // Its address may be reused now: forget it was read outside the plan, too.
         unknown_seen.erase(it->first);
+        rows_read.erase(it->first);
         it = weights.erase(it);
       } else {
         ++it;
@@ -745,6 +797,13 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
   return result;
 }
 
+void WeightStreamer::note_rows_read(const c10::StorageImpl* s) {
+  if (!active() || OffloadEngine::on_worker() || s->nbytes() < kMinBytes) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& d = *impl_;
+  if (d.state == State::kRecording && d.weights.count(s)) d.rows_read.insert(s);
+}
+
 void WeightStreamer::note_written(const c10::StorageImpl* s) noexcept {
   if (!active()) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -879,6 +938,9 @@ StreamPlan WeightStreamer::plan() {
   p.version = d.version;
   for (const auto& it : d.order) {
     p.order.push_back({it.s, it.nbytes, !it.weak.expired() && d.in_host(it.s)});
+  }
+  for (const auto& it : d.row_only) {
+    if (!it.weak.expired()) p.row_reads.push_back({it.s, it.nbytes, d.in_host(it.s)});
   }
   p.demoted = d.demoted;
   p.streamed_bytes = d.streamed_bytes;

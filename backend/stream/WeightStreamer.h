@@ -77,6 +77,8 @@ struct StreamPlan {
   int64_t version = 0;                // plans made so far; the current one is number `version`
   std::vector<StreamPlanEntry> order;  // weight reads of one pass, in order (a weight may
                                        // appear twice), stationary ones included
+  std::vector<StreamPlanEntry> row_reads;  // weights only ever read by rows (embeddings): read
+                                           // in place, never staged; streamed = in host
   size_t streamed_bytes = 0;           // distinct bytes of the streamed weights in `order`
   size_t hbm_capacity = 0;             // the budget the plan was made for (0 = unlimited)
   size_t activation_peak_bytes = 0;    // peak growth of both tiers while recording (activations,
@@ -100,6 +102,10 @@ class WeightStreamer {
   // over a staged copy, or an empty DataPtr to read in place. Call after the engine's
   // wait_for_storage(). The DataPtr pins the copy until it is released.
   c10::DataPtr read(c10::StorageImpl* storage, c10::Device executor_device);
+  // A kernel is about to read a few rows of `storage` (an embedding, index_select) in place:
+  // such reads are not staged and not part of the order; while recording they make the
+  // weight a preferred demotion (Note [Row reads] in WeightStreamer.cpp).
+  void note_rows_read(const c10::StorageImpl* storage);
   // `storage` was (or is about to be) written outside a staged read: drop its staged copy.
   void note_written(const c10::StorageImpl* storage) noexcept;
   // The weight storage behind a DataPtr returned by read(), else nullptr.

@@ -148,7 +148,9 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
     staged), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
     order, with ``bytes``, ``streamed`` (in host, staged ahead of use; else stationary in hbm)
     and, when ``model`` is given, ``names`` (the parameters and buffers
-    of ``model`` over that storage; tied weights list every name).
+    of ``model`` over that storage; tied weights list every name). ``row_reads`` lists, in the
+    same form, the weights only ever read by rows (embedding tables): kernels read them in
+    place, in either tier, and the plan demotes them first when hbm lacks room.
     """
     plan = dict(_C._stream_plan())
     names: dict[int, list[str]] = {}
@@ -157,9 +159,10 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
         for name, t in tensors:
             if t.device.type == "superchip":
                 names.setdefault(t.untyped_storage()._cdata, []).append(name)
-    plan["order"] = [{"bytes": int(n), "streamed": bool(streamed),
-                      **({"names": names.get(key, [])} if model is not None else {})}
-                     for key, n, streamed in plan["order"]]
+    for k in ("order", "row_reads"):
+        plan[k] = [{"bytes": int(n), "streamed": bool(streamed),
+                    **({"names": names.get(key, [])} if model is not None else {})}
+                   for key, n, streamed in plan[k]]
     return plan
 
 

@@ -310,3 +310,57 @@ def test_float_input_batches_do_not_keep_the_plan_from_forming():
     assert all(r["bitwise"]), r
     assert plan["state"] == "streaming" and plan["version"] == 1 and st["plans"] == 1, r
     assert st["prefetched"] > 0 and st["hits"] > 0 and r["peak_hbm"] <= r["budget"], r
+
+
+def test_embedding_rows_read_in_place_and_a_second_model_gets_its_own_plan():
+    # Note [Row reads]: an untied embedding table is only gathered by rows, so it is read in
+    # place (never staged), left out of the order, and demoted first when hbm lacks room (it is
+    # placed in hbm first, being the first parameter). A tied one is also read whole by the LM
+    # head: in the order as usual. The tied model comes second, in the same process, after the
+    # first is deleted: it must get a plan of its own (Note [Inputs are not weights]).
+    r = _run("""
+        import copy, gc
+        from transformers import LlamaConfig, LlamaForCausalLM
+        def big_vocab(tied):
+            torch.manual_seed(0)
+            return LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=344,
+                                                num_hidden_layers=3, num_attention_heads=4,
+                                                num_key_value_heads=2, max_position_embeddings=64,
+                                                tie_word_embeddings=tied))
+        out = {"budget": superchip.memory_stats()["hbm.capacity_bytes"]}
+        for tied in (False, True):
+            ref = big_vocab(tied)
+            model = copy.deepcopy(ref).to("superchip")
+            placed = superchip.tier_of(model.model.embed_tokens.weight)
+            o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+            o = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1)
+            same = []
+            for _ in range(5):
+                x = torch.randint(0, 4096, (2, 48), generator=g)
+                a = ref(input_ids=x, labels=x).loss
+                a.backward(); o_ref.step(); o_ref.zero_grad()
+                xs = x.to("superchip")
+                b = model(input_ids=xs, labels=xs).loss
+                b.backward(); o.step(); o.zero_grad()
+                same.append(a.item() == b.item())
+            plan = superchip.weights_plan(model)
+            emb = "model.embed_tokens.weight"
+            out[str(tied)] = dict(
+                placed=placed, now=superchip.tier_of(model.model.embed_tokens.weight), same=same,
+                param_bytes=param_bytes(ref), state=plan["state"], version=plan["version"],
+                rows=[e["names"] for e in plan["row_reads"]],
+                in_order=sum(emb in e["names"] for e in plan["order"]),
+                bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())))
+            del model, o, a, b
+            gc.collect()
+        print(json.dumps(out))
+    """, hbm="2800K")
+    untied, tied = r["False"], r["True"]
+    assert untied["param_bytes"] >= 2 * r["budget"], r
+    assert all(untied["same"]) and untied["bitwise"] and all(tied["same"]) and tied["bitwise"], r
+    assert untied["state"] == "streaming" and untied["version"] == 1, r
+    assert untied["placed"] == "hbm" and untied["now"] == "host", r  # demoted, read in place
+    assert untied["rows"] == [["model.embed_tokens.weight"]] and untied["in_order"] == 0, r
+    assert tied["state"] == "streaming" and tied["version"] == 2, r
+    assert tied["rows"] == [] and tied["in_order"] == 1, r
