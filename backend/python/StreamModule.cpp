@@ -27,6 +27,15 @@ void schedule_apply() noexcept {
   }
 }
 
+// (storage id, bytes, streamed) per entry; Python maps the ids to parameter names.
+py::list entries(const std::vector<StreamPlanEntry>& es) {
+  py::list l;
+  for (const StreamPlanEntry& e : es) {
+    l.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
+  }
+  return l;
+}
+
 }  // namespace
 
 void bind_stream(py::module& m) {
@@ -56,16 +65,8 @@ void bind_stream(py::module& m) {
     d["state"] = p.state;
     d["mode"] = p.mode;
     d["version"] = p.version;
-    py::list order;
-    for (const StreamPlanEntry& e : p.order) {
-      order.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
-    }
-    d["order"] = order;
-    py::list rows;
-    for (const StreamPlanEntry& e : p.row_reads) {
-      rows.append(py::make_tuple(reinterpret_cast<uintptr_t>(e.storage), e.nbytes, e.streamed));
-    }
-    d["row_reads"] = rows;
+    d["order"] = entries(p.order);
+    d["row_reads"] = entries(p.row_reads);
     d["streamed_bytes"] = p.streamed_bytes;
     d["hbm_capacity"] = p.hbm_capacity;
     d["activation_peak_bytes"] = p.activation_peak_bytes;
