@@ -1,6 +1,7 @@
 #include "backend/native/Native.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_local_scalar_dense.h>
 #include <ATen/ops/convolution.h>
@@ -49,6 +50,19 @@ bool is_superchip(const at::Tensor& t) { return t.device().type() == c10::Device
 
 bool is_executor_or_cpu(const at::Tensor& t) {
   return t.device().is_cpu() || t.device().type() == executor_device_type();
+}
+
+// Inside a torch.autocast region (enabled or not): its casts of weights are per-pass copies.
+// Not is_autocast_enabled(), which is false inside autocast's own kernels, where the casts run.
+bool in_autocast_region() {
+  at::autocast::increment_nesting();
+  return at::autocast::decrement_nesting() > 0;
+}
+
+// Covers all of its storage's bytes, each once.
+bool fills_storage(const at::Tensor& t) {
+  return t.storage_offset() == 0 && t.is_non_overlapping_and_dense() &&
+         static_cast<size_t>(t.numel()) * t.element_size() == t.storage().nbytes();
 }
 
 }  // namespace
@@ -144,10 +158,14 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   TORCH_CHECK(is_superchip(dst) || is_executor_or_cpu(dst),
               "copy between superchip and ", dst.device(), " is not supported; go through the cpu.");
   // Weights arriving from the CPU that fill their whole storage (.to("superchip"),
-  // torch.load(map_location=...), load_state_dict): placed under hbm's weights limit.
-  if (is_superchip(dst) && !is_superchip(self) && dst.storage_offset() == 0 &&
-      dst.is_non_overlapping_and_dense() &&
-      static_cast<size_t>(dst.numel()) * dst.element_size() == dst.storage().nbytes()) {
+  // torch.load(map_location=...), load_state_dict), or whole weights cast on the device
+  // (model.to("superchip").bfloat16()): placed under hbm's weights limit. Autocast's
+  // per-forward casts of weights are not weights.
+  if (is_superchip(dst) && fills_storage(dst) &&
+      (!is_superchip(self) ||
+       (self.scalar_type() != dst.scalar_type() && fills_storage(self) &&
+        !in_autocast_region() &&
+        WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl())))) {
     place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
     // Floating-point, so integer batches (token ids, labels) are never taken for weights.
     if (dst.is_floating_point()) WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl());

@@ -36,7 +36,7 @@
 // misprediction. The plan is redone (recording again) when:
 //  - the hbm budget differs from the one the plan was made for;
 //  - a planned weight died (a new model);
-//  - a weight outside the order is read in two different periods (it persists: a new weight),
+//  - a weight outside the order is read in periods two apart (it persists: a new weight),
 //    or 16 of them in a row with no planned weight among them (a new model);
 //  - more than a quarter of a period's reads were mispredicted (the order changed; periods
 //    shorter than half the order are judged together with the next ones), at most
@@ -55,8 +55,12 @@
 // passes run. So recording ignores storages marked after it began (the batch of the pass in
 // which it began is recorded once, at its start, and does not repeat: harmless), unless 16
 // of them come in a row with nothing older (a model moved to the device after recording
-// began, say after reads of another model's weights): then recording begins again. While
-// streaming, a batch is a read outside the order seen in one period only, which changes
+// began, say after reads of another model's weights), or one of them is read a 4th time
+// (a batch is read by its forward, a recomputation and its backward, at most 3 times; a
+// weight cast on the device while recording had begun, model.bfloat16(), is read by every
+// pass, and one older weight among them breaks every streak): then recording begins again. While
+// streaming, a batch is a read outside the order seen in one step only (one period, or two
+// when the periods' boundary falls between its forward and backward reads), which changes
 // nothing. A weight that comes later (a second model) is such a read in every period, which
 // starts a new recording that includes it. Dead weights' entries are purged with their
 // addresses, which a later batch may reuse.
@@ -89,6 +93,7 @@ constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
+constexpr int kYoungReads = 4;       // Note [Inputs are not weights]
 
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
@@ -160,12 +165,16 @@ struct Entry {
   std::shared_ptr<StagingCopier::Ticket> ticket;  // the copy issued ahead of use, if any
   StagingCopier* copier = nullptr;
 
-  ~Entry() {
+  ~Entry() { release_block(); }
+
+  // Gives the block back (once); `source` stays until the entry dies, on an operator thread.
+  void release_block() noexcept {
     if (block == nullptr) return;
     copier->before_release(ticket.get());  // the copy may still be writing the block
     ticket.reset();
     if (arena) arena->release(block, nbytes);
     else mm->free(block);
+    block = nullptr;
   }
 };
 
@@ -232,6 +241,7 @@ struct WeightStreamer::Impl {
   uint64_t marks = 0;      // weights marked so far
   uint64_t rec_marks = 0;  // `marks` when recording began
   size_t young_streak = 0;  // reads in a row of weights marked since then
+  std::unordered_map<const c10::StorageImpl*, int> young_reads;  // recording: reads of each
   size_t unknown_streak = 0;  // streaming: reads in a row of weights outside the order
 
   State state = State::kIdle;
@@ -301,6 +311,7 @@ struct WeightStreamer::Impl {
     rec_base = both_tiers_allocated();
     rec_marks = marks;
     young_streak = 0;
+    young_reads.clear();
     unknown_streak = 0;
     arena.reset();  // freed when its last staged copy goes
     order.clear();
@@ -460,7 +471,7 @@ struct WeightStreamer::Impl {
     // unless nothing else is read (a model that came after recording began).
     auto w = weights.find(s);
     if (w != weights.end() && w->second.marked > rec_marks) {
-      if (++young_streak < kYoungStreak) return;
+      if (++young_streak < kYoungStreak && ++young_reads[s] < kYoungReads) return;
       start_recording();  // now none of them is young
     }
     young_streak = 0;
@@ -526,8 +537,10 @@ struct WeightStreamer::Impl {
         if (rows_read.count(s)) return true;
         // A weight outside the plan: a new one if it keeps being read (Note [Streaming plan]),
         // or if nothing planned is read any more (a new model; the old one may be alive).
+        // Two periods apart: a batch is read by one step's forward and backward, which the
+        // period's boundary may split.
         auto [u, inserted] = unknown_seen.emplace(s, period);
-        if ((!inserted && u->second != period) || ++unknown_streak >= kYoungStreak) {
+        if ((!inserted && period >= u->second + 2) || ++unknown_streak >= kYoungStreak) {
           replans_in_row = 0;
           start_recording();
           return false;
@@ -585,14 +598,16 @@ struct WeightStreamer::Impl {
     graveyard.push_back(std::move(e));
   }
 
-  // A fresh copy of `s` in hbm, or nullptr when hbm cannot hold it.
+  // A fresh copy of `s` in hbm, or nullptr when hbm cannot hold it. Only the plan's weights
+  // are staged in the arena: a copy of anything else (a batch) would take a prefetch's room.
   std::shared_ptr<Entry> stage(c10::StorageImpl* s, bool async) {
     MemoryManager& m = mm();
     const size_t n = s->nbytes();
-    void* block = arena ? arena->allocate(n) : m.try_allocate(n, Tier::kHbm);
+    const bool planned = arena && first.count(s) != 0;
+    void* block = planned ? arena->allocate(n) : m.try_allocate(n, Tier::kHbm);
     if (block == nullptr) return nullptr;
     auto e = std::make_shared<Entry>();
-    e->arena = arena;
+    if (planned) e->arena = arena;
     e->source = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
     e->src_ptr = s->data();
     e->nbytes = n;
@@ -619,9 +634,18 @@ struct WeightStreamer::Impl {
   }
 
   // Issues copies for the window ahead of the cursor. False when a planned weight died.
+  // Operator threads only (CUDA orders a block's release with their current stream).
   bool prefetch() {
     if (state != State::kStreaming || order.empty()) return true;
-    size_t budget_used = static_cast<size_t>(st.staging_bytes);
+    // Dropped copies no kernel uses give their blocks back first (the graveyard itself empties
+    // after the read, which is too late: the arena would be full, a copy at use every other read).
+    for (auto& e : graveyard) {
+      if (e.use_count() == 1) e->release_block();
+    }
+    size_t budget_used = 0;  // the arena's copies (a batch's copy at use is outside it)
+    for (const auto& kv : staged) {
+      if (kv.second->arena) budget_used += kv.second->nbytes;
+    }
     for (int k = 1; k <= depth; ++k) {
       const Item& it = order[(cursor + k) % order.size()];
       auto found = staged.find(it.s);
@@ -632,12 +656,14 @@ struct WeightStreamer::Impl {
       auto* s = const_cast<c10::StorageImpl*>(it.s);
       if (!in_host(s) || s->nbytes() != it.nbytes) continue;
       if (OffloadEngine::get().is_pending(s)) continue;
-      if (budget_used + it.nbytes > staging_budget) break;  // the arena's free list decides too
       if (found != staged.end()) {
         if (found->second.use_count() > 1) continue;  // in use: replaced after the kernel
+        if (found->second->arena) budget_used -= found->second->nbytes;  // stale: its room is ours
+        found->second->release_block();
         drop(found->second);
         staged.erase(found);
       }
+      if (budget_used + it.nbytes > staging_budget) break;  // the arena's free list decides too
       std::shared_ptr<Entry> e = stage(s, /*async=*/true);
       if (!e) break;
       budget_used += it.nbytes;
@@ -686,6 +712,11 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
   impl_->maybe_purge_weights();
   auto it = impl_->weights.find(&storage);
   if (it == impl_->weights.end() || it->second.weak.expired()) {
+    // A new storage, perhaps at a dead one's address (each step's batch may take the last
+    // one's): what was seen of that one is not its.
+    impl_->unknown_seen.erase(&storage);
+    impl_->rows_read.erase(&storage);
+    impl_->young_reads.erase(&storage);
     impl_->weights.insert_or_assign(
         &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
@@ -694,6 +725,12 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.
   if (impl_->enabled && impl_->in_host(&storage)) impl_->active.store(true, std::memory_order_release);
+}
+
+bool WeightStreamer::is_weight(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->weights.find(storage);
+  return it != impl_->weights.end() && !it->second.weak.expired();
 }
 
 void WeightStreamer::note_moved_to_host(const c10::StorageImpl* storage) {

@@ -7,7 +7,8 @@
 //    result. Writes always go to the host bytes (a kernel that writes a weight is given the
 //    host bytes; a staged copy of it is dropped).
 //  - Streamed: storages marked as weights (floating-point tensors copied in from the CPU as a
-//    whole: .to("superchip"), torch.load(map_location=...), load_state_dict) that are in `host`
+//    whole: .to("superchip"), torch.load(map_location=...), load_state_dict; and whole dtype
+//    casts of weights outside autocast: model.to("superchip").bfloat16()) that are in `host`
 //    when a kernel reads them. Everything else is read in place, as before.
 //  - Record, plan, stream (Note [Streaming plan] in WeightStreamer.cpp): the first pass over
 //    the weights records the order of their reads (forward, then backward, collapsed) and how
@@ -23,8 +24,9 @@
 //    plan is redone when the hbm budget changes, a planned weight dies, a new weight keeps
 //    being read, or reads stop following the order.
 //  - Staging memory comes from the `hbm` tier (accounted in its statistics, never past its
-//    budget): the arena once planned, single blocks while recording. When neither can hold a
-//    copy, the kernel reads the host bytes in place.
+//    budget): the arena, once planned, for the plan's weights; single blocks while recording
+//    and for weights outside the plan (a batch). When neither can hold a copy, the kernel
+//    reads the host bytes in place.
 //  - Writes that bypass the forwarding layer (fused optimizer steps, engine jobs, tier moves)
 //    call note_written() after they wrote (compiled graphs: before they run, for every input);
 //    a copy begun before a write ends is never used.
@@ -96,6 +98,8 @@ class WeightStreamer {
   // Marks `storage` as a weight (see above). Cheap; called by copy_ for whole-storage copies
   // of floating-point tensors from the CPU.
   void mark_weight(c10::StorageImpl& storage);
+  // Whether `storage` is a live weight (marked, see above).
+  bool is_weight(const c10::StorageImpl* storage);
   // A storage moved to host (move_to_tier): streaming starts if it is a weight.
   void note_moved_to_host(const c10::StorageImpl* storage);
   // For a superchip storage a kernel is about to read: a DataPtr (device `executor_device`)

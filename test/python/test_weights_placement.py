@@ -364,3 +364,74 @@ def test_embedding_rows_read_in_place_and_a_second_model_gets_its_own_plan():
     assert untied["rows"] == [["model.embed_tokens.weight"]] and untied["in_order"] == 0, r
     assert tied["state"] == "streaming" and tied["version"] == 2, r
     assert tied["rows"] == [] and tied["in_order"] == 1, r
+
+
+@pytest.mark.parametrize("cast,hbm", [("on_device", "2M"), ("on_cpu", "2M"), ("autocast", "4M")])
+def test_bf16_training_with_fresh_batches_keeps_one_plan_and_prefetches_every_read(cast, hbm):
+    # A bf16 MLP 2x the budget, SGD, a fresh batch each step.
+    #  - on_device: model.to("superchip").bfloat16(); the casts' outputs are weights too
+    #    (before: never marked, so nothing was ever streamed), and recording, begun by the
+    #    casts' reads, must not take them for batches (Note [Inputs are not weights]).
+    #  - on_cpu: model.bfloat16().to("superchip"); each step's batch may reuse the address of
+    #    the one before, and one step's batch is read on both sides of the period's boundary
+    #    (before: taken for a new weight, a new recording every few steps).
+    #  - autocast: an fp32 model, forward under torch.autocast; autocast's casts of the
+    #    weights are per-pass copies, not weights (placed and streamed as such, they took the
+    #    arena's room: a copy at use for most reads).
+    # Prefetch must find the arena's blocks free once their copies left the window (before:
+    # freed only after the read's prefetch: a copy at use every other read).
+    r = _run(f"""
+        import copy
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        if "{cast}" == "on_device":
+            model = copy.deepcopy(ref).to("superchip").bfloat16()
+        elif "{cast}" == "on_cpu":
+            model = copy.deepcopy(ref).bfloat16().to("superchip")
+        else:
+            model = copy.deepcopy(ref).to("superchip")
+        dtype = torch.float32 if "{cast}" == "autocast" else torch.bfloat16
+        ref = ref.to(dtype)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses, versions = [], []
+        for i in range(10):
+            # Only the step's own reads (no parameter read between steps): the period is a step.
+            x = torch.randn(32, 512, generator=g).to(dtype)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                a = ref(x).float().square().mean()
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            with torch.autocast("superchip", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                b = model(x.to("superchip")).float().square().mean()
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+            versions.append(superchip.weights_plan()["version"])
+            if i == 5:
+                superchip.reset_stream_stats()
+        plan = superchip.weights_plan(model)
+        order = plan.pop("order")
+        names = sorted({{n for e in order for n in e["names"]}})
+        print(json.dumps(dict(stream=superchip.stream_stats(), plan=plan, budget=budget, names=names,
+                              versions=versions, param_bytes=param_bytes(model), losses=losses,
+                              streamed_reads=sum(e["streamed"] for e in order),
+                              bitwise=all(torch.equal(a, b.cpu()) for a, b in
+                                          zip(ref.parameters(), model.parameters())),
+                              weights=sorted(n for n, p in model.named_parameters() if p.dim() == 2),
+                              peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm=hbm)
+    st, plan = r["stream"], r["plan"]
+    assert r["param_bytes"] >= 2 * r["budget"] and r["bitwise"], r
+    assert all(a == b for a, b in r["losses"]), r
+    assert plan["state"] == "streaming" and r["versions"][4:] == [1] * 6, r  # planned once, kept
+    assert r["names"] == r["weights"], r  # every weight in the order
+    # Last 4 steps: every read of a streamed weight was prefetched, also right after the
+    # optimizer's step made the prefetched copies stale (before: the stale copies' room, the
+    # batch's copy, and copies freed only after the read's prefetch kept the arena full: a copy
+    # at use every other read). The batch (in host: hbm is past its weights limit when it
+    # comes) is outside the plan: copied at use outside the arena, or read in place, by the
+    # first layer's forward and backward.
+    assert r["streamed_reads"] > 0 and st["hits"] >= 4 * r["streamed_reads"], r
+    assert st["staged_at_use"] + st["in_place_reads"] <= 2 * 4, r
+    assert r["peak_hbm"] <= r["budget"], r
