@@ -166,12 +166,22 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
     return plan
 
 
+_demotion_hook = None
+
+
 def _apply_stream_plan(optimizer, args, kwargs) -> None:
     # Between operators: the plan's demotions and its staging arena (WeightStreamer::apply).
+    # Done here, so the module hook goes too (while it is on, torch.compile(module) warns
+    # about global module hooks at every call).
+    _remove_demotion_hook()
     _C._stream_apply()
 
 
-_demotion_hook = None
+def _remove_demotion_hook() -> None:
+    global _demotion_hook
+    handle, _demotion_hook = _demotion_hook, None
+    if handle is not None:
+        handle.remove()
 
 
 def _apply_stream_plan_at_next_module() -> None:
@@ -185,12 +195,9 @@ def _apply_stream_plan_at_next_module() -> None:
 
 
 def _demote_before_module(module, args) -> None:
-    global _demotion_hook
     if torch.compiler.is_compiling():
         return None  # traced code holds no bytes: the next eager module call applies
-    handle, _demotion_hook = _demotion_hook, None
-    if handle is not None:
-        handle.remove()
+    _remove_demotion_hook()
     _C._stream_apply()
     return None
 

@@ -435,3 +435,42 @@ def test_bf16_training_with_fresh_batches_keeps_one_plan_and_prefetches_every_re
     assert r["streamed_reads"] > 0 and st["hits"] >= 4 * r["streamed_reads"], r
     assert st["staged_at_use"] + st["in_place_reads"] <= 2 * 4, r
     assert r["peak_hbm"] <= r["budget"], r
+
+
+def test_compiled_model_over_the_budget_trains_like_compiled_cpu():
+    # torch.compile (Inductor) with weights in host: the compiled kernels read them where they
+    # are, extern kernels through the streamer; the plan's demotions come from the optimizer
+    # step hook, which also drops the one-shot module hook (while on, torch.compile(module)
+    # warns at every call that global module hooks are registered).
+    r = _run("""
+        import copy, warnings
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                    for _ in range(8)])
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        model = copy.deepcopy(ref).to("superchip")
+        tiers = sorted({superchip.tier_of(p) for p in model.parameters()})
+        cref, cm = torch.compile(ref), torch.compile(model)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                x = torch.randn(16, 256, generator=g)
+                a = cref(x).square().mean()
+                a.backward(); o_ref.step(); o_ref.zero_grad()
+                b = cm(x.to("superchip")).square().mean()
+                b.backward(); o.step(); o.zero_grad()
+                losses.append([a.item(), b.item()])
+        print(json.dumps(dict(losses=losses, tiers=tiers, budget=budget, param_bytes=param_bytes(ref),
+                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              hooks_warned=[str(w.message)[:200] for w in caught if "global hooks" in str(w.message)],
+                              plan=superchip.weights_plan()["state"], demoted=superchip.weights_plan()["demoted"],
+                              peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm="512K")
+    assert r["param_bytes"] >= 4 * r["budget"] and r["tiers"] == ["hbm", "host"], r
+    assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
+    assert r["plan"] == "streaming" and r["demoted"] > 0 and r["hooks_warned"] == [], r
+    assert r["peak_hbm"] <= r["budget"], r
