@@ -264,7 +264,8 @@ struct WeightStreamer::Impl {
   std::unordered_map<PairKey, size_t, PairHash> pairs;
   std::unordered_map<const c10::StorageImpl*, size_t> first;
   size_t cursor = 0;
-  int depth = 0;
+  int depth = 0;            // the least of reach (reported)
+  std::vector<int> reach;   // per position of the order: upcoming reads kept staged from there
   size_t streamed_bytes = 0;
   size_t staging_budget = 0;
   size_t plan_capacity = 0;
@@ -321,6 +322,7 @@ struct WeightStreamer::Impl {
     rows_read.clear();
     row_only.clear();
     depth = 0;
+    reach.clear();
   }
 
   size_t both_tiers_allocated() {
@@ -434,10 +436,11 @@ struct WeightStreamer::Impl {
     if (demote.empty()) allocate_arena();
     else apply_wanted.store(true, std::memory_order_relaxed);
     // Depth: upcoming reads whose distinct streamed copies fit in the arena with the one in use.
-    depth = 0;
-    if (need <= staging_budget) {
-      depth = static_cast<int>(order.size()) - 1;
-    } else {
+    // Per position: one large pair that does not fit (an MLP's last weight, then the LM head)
+    // must not stop prefetching everywhere else. Windows never shrink from one read to the
+    // next (what fitted from c fits from c + 1), so a prefetched copy stays until its read.
+    reach.assign(order.size(), static_cast<int>(order.size()) - 1);
+    if (need > staging_budget) {
       std::unordered_set<const c10::StorageImpl*> window;
       for (size_t start = 0; start < order.size(); ++start) {
         window.clear();
@@ -449,10 +452,10 @@ struct WeightStreamer::Impl {
           if (bytes > staging_budget) break;
           d = static_cast<int>(k);
         }
-        depth = start == 0 ? d : std::min(depth, d);
-        if (depth == 0) break;
+        reach[start] = d;
       }
     }
+    depth = reach.empty() ? 0 : *std::min_element(reach.begin(), reach.end());
     version++;
     st.plans++;
     period = 0;
@@ -512,6 +515,7 @@ struct WeightStreamer::Impl {
       pairs.clear();
       first.clear();
       depth = 0;
+      reach.clear();
     } else {
       start_recording();
     }
@@ -579,7 +583,7 @@ struct WeightStreamer::Impl {
   void release_outside_window() {
     std::unordered_set<const c10::StorageImpl*> window;
     if (state == State::kStreaming && !order.empty()) {
-      for (int k = 0; k <= depth; ++k) window.insert(order[(cursor + k) % order.size()].s);
+      for (int k = 0; k <= reach[cursor]; ++k) window.insert(order[(cursor + k) % order.size()].s);
     } else if (last != nullptr) {
       window.insert(last);
     }
@@ -646,7 +650,7 @@ struct WeightStreamer::Impl {
     for (const auto& kv : staged) {
       if (kv.second->arena) budget_used += kv.second->nbytes;
     }
-    for (int k = 1; k <= depth; ++k) {
+    for (int k = 1; k <= reach[cursor]; ++k) {
       const Item& it = order[(cursor + k) % order.size()];
       auto found = staged.find(it.s);
       if (found != staged.end() && valid(*found->second, it.s)) continue;

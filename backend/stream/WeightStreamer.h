@@ -86,7 +86,8 @@ struct StreamPlan {
   size_t activation_peak_bytes = 0;    // peak growth of both tiers while recording (activations,
                                        // gradients), staging excluded
   size_t staging_budget = 0;           // the staging arena: hbm reserved for staged copies
-  int prefetch_depth = 0;              // upcoming reads kept staged (fits the budget)
+  int prefetch_depth = 0;              // upcoming reads kept staged from every position of
+                                       // the order (the least: more where copies are smaller)
   int64_t demoted = 0;                 // stationary weights this plan moved to host
   double copy_bytes_per_s = 0.0;       // measured staging copy rate (0 before any copy)
 };

@@ -145,7 +145,7 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
     ``hbm_capacity`` (the budget planned for), ``activation_peak_bytes`` (what activations and
     gradients took, in both tiers, measured while recording), ``staging_budget`` (the staging
     arena reserved in hbm), ``prefetch_depth`` (upcoming reads kept
-    staged), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
+    staged from every read: the least; more where the copies are smaller), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
     order, with ``bytes``, ``streamed`` (in host, staged ahead of use; else stationary in hbm)
     and, when ``model`` is given, ``names`` (the parameters and buffers
     of ``model`` over that storage; tied weights list every name). ``row_reads`` lists, in the
