@@ -637,15 +637,20 @@ struct WeightStreamer::Impl {
     return s->data() != nullptr && storage_tier(*s) == Tier::kHost;
   }
 
-  // Issues copies for the window ahead of the cursor. False when a planned weight died.
-  // Operator threads only (CUDA orders a block's release with their current stream).
-  bool prefetch() {
-    if (state != State::kStreaming || order.empty()) return true;
-    // Dropped copies no kernel uses give their blocks back first (the graveyard itself empties
-    // after the read, which is too late: the arena would be full, a copy at use every other read).
+  // Dropped copies no kernel uses give their blocks back now: the graveyard itself empties
+  // after the read, too late for this read's copy and prefetch, which would find the arena
+  // full (a copy at use, or a read in place, every other read). Operator threads only (CUDA
+  // orders a block's release with their current stream).
+  void free_dropped_blocks() {
     for (auto& e : graveyard) {
       if (e.use_count() == 1) e->release_block();
     }
+  }
+
+  // Issues copies for the window ahead of the cursor. False when a planned weight died.
+  bool prefetch() {
+    if (state != State::kStreaming || order.empty()) return true;
+    free_dropped_blocks();
     size_t budget_used = 0;  // the arena's copies (a batch's copy at use is outside it)
     for (const auto& kv : staged) {
       if (kv.second->arena) budget_used += kv.second->nbytes;
@@ -791,6 +796,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
           break;
       }
       d.release_outside_window();
+      d.free_dropped_blocks();
     }
     if (!host) {
       if (!d.prefetch()) d.start_recording();
