@@ -270,6 +270,20 @@ void place_incoming_weights(c10::StorageImpl& storage) {
       c10::DataPtr(p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)));
 }
 
+void place_registered_weight(c10::StorageImpl& storage) {
+  MemoryManager& m = memory(storage.device().index());
+  const size_t limit = m.weights_limit();
+  const size_t nbytes = storage.nbytes();
+  if (limit == 0 || nbytes == 0 || !m.host_placeable(nbytes) || storage_tier(storage) != Tier::kHbm) return;
+  if (static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes) <= limit) return;
+  if (storage_has_lease(storage)) return;
+  try {
+    move_storage_to_tier(storage, Tier::kHost);
+  } catch (const c10::Error&) {
+    // host is full: the weight stays in hbm, like one copied in
+  }
+}
+
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
   MemoryManager& m = memory(device);
   const size_t nbytes = executor_storage.nbytes();

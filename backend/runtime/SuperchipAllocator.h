@@ -58,6 +58,11 @@ c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_
 // its whole storage.
 void place_incoming_weights(c10::StorageImpl& storage);
 
+// A parameter made on the device (`with torch.device("superchip")`, `device=` arguments): the
+// same limit, but its bytes may hold values already, so they move to host with them. Host
+// full: it stays in hbm.
+void place_registered_weight(c10::StorageImpl& storage);
+
 // Wraps the memory of an executor storage as a superchip DataPtr on `device`, accounted in
 // `hbm`. Raises torch.OutOfMemoryError when the budget cannot hold it.
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device);

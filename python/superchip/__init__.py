@@ -202,6 +202,16 @@ def _demote_before_module(module, args) -> None:
     return None
 
 
+def _register_parameter(module, name, param) -> None:
+    # A parameter made on the device (``with torch.device("superchip")``, ``device=``) is a
+    # weight, as one copied in from the CPU is: placed under hbm's weights limit, streamed.
+    if param is not None and param.device.type == "superchip":
+        _C._register_weight(param)
+    return None
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_register_parameter)
+
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
 
 _register_step_post_hook(_apply_stream_plan)
