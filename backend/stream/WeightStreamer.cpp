@@ -796,8 +796,8 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
           break;
       }
       d.release_outside_window();
-      d.free_dropped_blocks();
     }
+    d.free_dropped_blocks();  // copies dropped by this read or by writes since the last one
     if (!host) {
       if (!d.prefetch()) d.start_recording();
       dead.swap(d.graveyard);
@@ -822,6 +822,20 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
         d.staged.erase(found);
       }
       e = d.stage(s, /*async=*/false);
+      if (!e && d.arena && d.first.count(s) != 0) {
+        // The arena has the room (the plan sized the window) but copies no kernel uses split
+        // it (an LM head after an MLP's last weight): they go, prefetch stages them again.
+        for (auto it = d.staged.begin(); it != d.staged.end();) {
+          if (it->second.use_count() == 1) {
+            it->second->release_block();
+            d.drop(it->second);
+            it = d.staged.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        e = d.stage(s, /*async=*/false);
+      }
       if (e) {
         d.st.staged_at_use++;
         d.staged.emplace(s, e);

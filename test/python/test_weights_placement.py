@@ -545,3 +545,46 @@ def test_model_built_on_the_device_is_placed_and_streamed():
     assert r["state"] == "streaming" and r["names"] == r["weights"], r
     assert r["stream"]["prefetched"] > 0 and r["stream"]["hits"] > 0, r
     assert r["peak_hbm"] <= r["budget"], r
+
+
+def test_lm_head_larger_than_half_the_arena_is_staged_not_read_in_place():
+    # The plan sizes windows by bytes: the last down_proj and the LM head fit the arena
+    # together, but the copies that came and went before leave the down_proj's copy in the
+    # middle, so the head found no run long enough and was read in place every pass (on a GPU,
+    # a GEMM reading a vocabulary-sized weight over the link). At use, copies no kernel uses
+    # make room (prefetch stages them again), and so do copies the optimizer's writes dropped
+    # (before, their blocks came back only after the read: the step's first read was in place).
+    r = _run("""
+        import copy
+        torch.manual_seed(0)
+        ref = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=64))
+        model = copy.deepcopy(ref).to("superchip")
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(7):
+            x = torch.randint(0, 2048, (2, 32), generator=g)
+            a = ref(input_ids=x, labels=x).loss
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            b = model(input_ids=x.to("superchip"), labels=x.to("superchip")).loss
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+            if i == 3:
+                superchip.reset_stream_stats()
+        plan = superchip.weights_plan(model)
+        print(json.dumps(dict(losses=losses, budget=superchip.memory_stats()["hbm.capacity_bytes"],
+                              param_bytes=param_bytes(ref), state=plan["state"], version=plan["version"],
+                              arena=plan["staging_budget"], stream=superchip.stream_stats(),
+                              head=[e["bytes"] for e in plan["order"] if "lm_head.weight" in e["names"]],
+                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm="4M")
+    st = r["stream"]
+    assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
+    assert r["state"] == "streaming" and r["version"] == 1, r
+    assert r["head"] and 2 * r["head"][0] > r["arena"], r  # the head takes over half the arena
+    assert st["in_place_reads"] == 0 and st["hits"] > 0, st  # last 3 steps
+    assert r["peak_hbm"] <= r["budget"], r
