@@ -60,9 +60,10 @@ void bind_stream(py::module& m) {
     return d;
   });
   m.def("_stream_reset_stats", [] { WeightStreamer::get().reset_stats(); });
-  // A parameter registered on a module: one made on the device is a weight (placed under
-  // hbm's weights limit, streamed from host), like one copied in whole from the CPU.
-  m.def("_register_weight", [](const at::Tensor& t) {
+  // A parameter registered on a module (`place`: placed under hbm's weights limit) or stepped
+  // by an optimizer: one made on the device is a weight (streamed from host), like one copied
+  // in whole from the CPU.
+  m.def("_register_weight", [](const at::Tensor& t, bool place) {
     if (t.device().type() != c10::DeviceType::PrivateUse1 || !t.is_floating_point() ||
         t.layout() != c10::kStrided || !t.has_storage() || t.storage_offset() != 0 ||
         !t.is_non_overlapping_and_dense() ||
@@ -71,9 +72,9 @@ void bind_stream(py::module& m) {
     }
     c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
     if (WeightStreamer::get().is_weight(&storage)) return;
-    place_registered_weight(storage);
+    if (place) place_registered_weight(storage);
     WeightStreamer::get().mark_weight(storage);
-  });
+  }, py::arg("tensor"), py::arg("place"));
   m.def("_stream_plan", [] {
     const StreamPlan p = WeightStreamer::get().plan();
     py::dict d;

@@ -8,7 +8,8 @@
 //    host bytes; a staged copy of it is dropped).
 //  - Streamed: storages marked as weights (floating-point tensors copied in from the CPU as a
 //    whole: .to("superchip"), torch.load(map_location=...), load_state_dict; parameters made
-//    on the device, marked when a module registers them; and whole dtype casts of weights
+//    on the device, marked when a module registers them or an optimizer first steps them
+//    (python/superchip/__init__.py); and whole dtype casts of weights
 //    outside autocast: model.to("superchip").bfloat16()) that are in `host`
 //    when a kernel reads them. Everything else is read in place, as before.
 //  - Record, plan, stream (Note [Streaming plan] in WeightStreamer.cpp): the first pass over

@@ -10,6 +10,8 @@ device module ``torch.superchip`` and the generated ``Tensor.superchip()`` /
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "superchip"):
@@ -206,15 +208,35 @@ def _register_parameter(module, name, param) -> None:
     # A parameter made on the device (``with torch.device("superchip")``, ``device=``) is a
     # weight, as one copied in from the CPU is: placed under hbm's weights limit, streamed.
     if param is not None and param.device.type == "superchip":
-        _C._register_weight(param)
+        _C._register_weight(param, place=True)
     return None
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_register_parameter)
 
+_stepped_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _register_stepped_parameters(optimizer, args, kwargs) -> None:
+    # What an optimizer steps is a weight, however it was made: also parameters made on the
+    # device without a module registering them (``to_empty(device="superchip")`` after a meta
+    # init replaces them in place). Marked only: mid-training, hbm holds activations too, and the
+    # plan's demotions make the room. Once per optimizer and parameter count.
+    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _stepped_params.get(optimizer) == n:
+        return None
+    _stepped_params[optimizer] = n
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device.type == "superchip":
+                _C._register_weight(p, place=False)
+    return None
+
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_pre_hook as _register_step_pre_hook  # noqa: E402
 
 _register_step_post_hook(_apply_stream_plan)
+_register_step_pre_hook(_register_stepped_parameters)
 
 # Last: registration reads the functions above (executor()).
 _inductor.register_if_inductor_loaded()
