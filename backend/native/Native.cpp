@@ -161,14 +161,16 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   // torch.load(map_location=...), load_state_dict), or whole weights cast on the device
   // (model.to("superchip").bfloat16()): placed under hbm's weights limit. Autocast's
   // per-forward casts of weights are not weights.
-  if (is_superchip(dst) && fills_storage(dst) &&
-      (!is_superchip(self) ||
-       (self.scalar_type() != dst.scalar_type() && fills_storage(self) &&
-        !in_autocast_region() &&
-        WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl())))) {
+  const bool cast_of_weight =
+      is_superchip(self) && is_superchip(dst) && self.scalar_type() != dst.scalar_type() &&
+      fills_storage(self) && fills_storage(dst) && !in_autocast_region() &&
+      WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl());
+  if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || cast_of_weight)) {
     place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
     // Floating-point, so integer batches (token ids, labels) are never taken for weights.
-    if (dst.is_floating_point()) WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl());
+    if (dst.is_floating_point()) {
+      WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl(), /*of_model=*/cast_of_weight);
+    }
   }
   // One AliasSet: a source overlapping the destination is seen as on CPU.
   AliasSet aliases;

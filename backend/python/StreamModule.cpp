@@ -73,7 +73,7 @@ void bind_stream(py::module& m) {
     c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
     if (WeightStreamer::get().is_weight(&storage)) return;
     if (place) place_registered_weight(storage);
-    WeightStreamer::get().mark_weight(storage);
+    WeightStreamer::get().mark_weight(storage, /*of_model=*/true);
   }, py::arg("tensor"), py::arg("place"));
   m.def("_stream_plan", [] {
     const StreamPlan p = WeightStreamer::get().plan();

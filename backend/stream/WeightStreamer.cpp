@@ -55,10 +55,11 @@
 // passes run. So recording ignores storages marked after it began (the batch of the pass in
 // which it began is recorded once, at its start, and does not repeat: harmless), unless 16
 // of them come in a row with nothing older (a model moved to the device after recording
-// began, say after reads of another model's weights), or one of them is read a 4th time
-// (a batch is read by its forward, a recomputation and its backward, at most 3 times; a
-// weight cast on the device while recording had begun, model.bfloat16(), is read by every
-// pass, and one older weight among them breaks every streak): then recording begins again. While
+// began, say after reads of another model's weights): then recording begins again. Weights
+// known to be a model's when marked (a cast of a weight, model.bfloat16(); a parameter a
+// module registers or an optimizer steps) start the recording over at once: the cast's own
+// read of its source may have begun it, and one older weight among the new ones breaks every
+// streak. While
 // streaming, a batch is a read outside the order seen in one step only (one period, or two
 // when the periods' boundary falls between its forward and backward reads), which changes
 // nothing. A weight that comes later (a second model) is such a read in every period, which
@@ -93,7 +94,6 @@ constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
-constexpr int kYoungReads = 4;       // Note [Inputs are not weights]
 
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
@@ -241,7 +241,6 @@ struct WeightStreamer::Impl {
   uint64_t marks = 0;      // weights marked so far
   uint64_t rec_marks = 0;  // `marks` when recording began
   size_t young_streak = 0;  // reads in a row of weights marked since then
-  std::unordered_map<const c10::StorageImpl*, int> young_reads;  // recording: reads of each
   size_t unknown_streak = 0;  // streaming: reads in a row of weights outside the order
 
   State state = State::kIdle;
@@ -312,7 +311,6 @@ struct WeightStreamer::Impl {
     rec_base = both_tiers_allocated();
     rec_marks = marks;
     young_streak = 0;
-    young_reads.clear();
     unknown_streak = 0;
     arena.reset();  // freed when its last staged copy goes
     order.clear();
@@ -474,7 +472,7 @@ struct WeightStreamer::Impl {
     // unless nothing else is read (a model that came after recording began).
     auto w = weights.find(s);
     if (w != weights.end() && w->second.marked > rec_marks) {
-      if (++young_streak < kYoungStreak && ++young_reads[s] < kYoungReads) return;
+      if (++young_streak < kYoungStreak) return;
       start_recording();  // now none of them is young
     }
     young_streak = 0;
@@ -715,7 +713,7 @@ bool WeightStreamer::enabled() const noexcept {
   return impl_->enabled;
 }
 
-void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
+void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
   if (storage.nbytes() < kMinBytes) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->maybe_purge_weights();
@@ -725,11 +723,12 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage) {
     // one's): what was seen of that one is not its.
     impl_->unknown_seen.erase(&storage);
     impl_->rows_read.erase(&storage);
-    impl_->young_reads.erase(&storage);
     impl_->weights.insert_or_assign(
         &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
                                ++impl_->marks});
+    // Note [Inputs are not weights]: a model's weight is not young.
+    if (of_model && impl_->state == State::kRecording) impl_->start_recording();
   }
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.

@@ -99,8 +99,9 @@ class WeightStreamer {
   static WeightStreamer& get();
 
   // Marks `storage` as a weight (see above). Cheap; called by copy_ for whole-storage copies
-  // of floating-point tensors from the CPU.
-  void mark_weight(c10::StorageImpl& storage);
+  // of floating-point tensors from the CPU. `of_model`: known to be a model's (a cast of a
+  // weight, a registered or stepped parameter), never a batch (Note [Inputs are not weights]).
+  void mark_weight(c10::StorageImpl& storage, bool of_model = false);
   // Whether `storage` is a live weight (marked, see above).
   bool is_weight(const c10::StorageImpl* storage);
   // A storage moved to host (move_to_tier): streaming starts if it is a weight.

@@ -598,3 +598,42 @@ def test_lm_head_larger_than_half_the_arena_is_staged_not_read_in_place():
     assert r["head"] and 2 * r["head"][0] > r["arena"], r  # the head takes over half the arena
     assert st["in_place_reads"] == 0 and st["hits"] > 0, st  # last 3 steps
     assert r["peak_hbm"] <= r["budget"], r
+
+
+def test_a_float_input_read_by_every_layer_is_not_taken_for_a_weight():
+    # A per-step float tensor copied in from the CPU (a mask, a bias) read by each of 24
+    # layers: a batch read many times per pass, so the number of reads must not make it a
+    # weight (a rule that did restarted recording every pass: never planned).
+    r = _run("""
+        torch.manual_seed(0)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([torch.nn.Linear(128, 128) for _ in range(24)])
+            def forward(self, x, bias):
+                for layer in self.layers:
+                    x = torch.tanh(layer(x) + bias)
+                return x
+        ref = Net()
+        model = Net().to("superchip")
+        model.load_state_dict(ref.state_dict())
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(8):
+            x, bias = torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
+            a = ref(x, bias).square().mean()
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            b = model(x.to("superchip"), bias.to("superchip")).square().mean()
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+        plan = superchip.weights_plan(model)
+        print(json.dumps(dict(losses=losses, state=plan["state"], version=plan["version"],
+                              unnamed=sum(not e["names"] for e in plan["order"]),
+                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              stream=superchip.stream_stats())))
+    """, hbm="512K")
+    assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
+    assert r["state"] == "streaming" and r["version"] == 1 and r["unnamed"] == 0, r
+    assert r["stream"]["hits"] > 0, r
