@@ -59,12 +59,13 @@
 // known to be a model's when marked (a cast of a weight, model.bfloat16(); a parameter a
 // module registers or an optimizer steps) start the recording over at once: the cast's own
 // read of its source may have begun it, and one older weight among the new ones breaks every
-// streak. While
-// streaming, a batch is a read outside the order seen in one step only (one period, or two
-// when the periods' boundary falls between its forward and backward reads), which changes
-// nothing. A weight that comes later (a second model) is such a read in every period, which
-// starts a new recording that includes it. Dead weights' entries are purged with their
-// addresses, which a later batch may reuse.
+// streak. (Counting a young weight's reads would not do: a mask copied in each step and read
+// by every layer is read more often than any weight.) While streaming, a batch is a read
+// outside the order seen in one step only (one period, or two when the periods' boundary
+// falls between its forward and backward reads), which changes nothing. A weight that comes
+// later (a second model) is such a read in every period, which starts a new recording that
+// includes it. Dead weights' entries are purged with their addresses, which a later batch may
+// reuse; a storage marked anew at a dead one's address starts with a clean record.
 //
 // Note [Row reads]
 // An embedding lookup (or index_select) reads a few rows of its table: staging the whole
