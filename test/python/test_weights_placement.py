@@ -32,6 +32,30 @@ _MODEL = textwrap.dedent("""
 
     def param_bytes(m):
         return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    def mlp(width, depth, act=torch.nn.GELU):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), act())
+                                     for _ in range(depth)])
+
+    def train_pair(ref, model, batches, loss, on_step=None):
+        # SGD on both, a step per batch (CPU tensors, moved for `model` inside the step);
+        # returns [[ref's loss, model's loss], ...].
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for i, batch in enumerate(batches):
+            a = loss(ref, *batch)
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            b = loss(model, *[t.to("superchip") for t in batch])
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+            if on_step is not None:
+                on_step(i)
+        return losses
+
+    def same_params(ref, model):
+        return all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters()))
 """)
 
 
@@ -393,31 +417,29 @@ def test_bf16_training_with_fresh_batches_keeps_one_plan_and_prefetches_every_re
             model = copy.deepcopy(ref).to("superchip")
         dtype = torch.float32 if "{cast}" == "autocast" else torch.bfloat16
         ref = ref.to(dtype)
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        losses, versions = [], []
-        for i in range(10):
+
+        def loss(m, x):
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                return m(x).float().square().mean()
+
+        versions = []
+
+        def on_step(i):
             # Only the step's own reads (no parameter read between steps): the period is a step.
-            x = torch.randn(32, 512, generator=g).to(dtype)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
-                a = ref(x).float().square().mean()
-            a.backward(); o_ref.step(); o_ref.zero_grad()
-            with torch.autocast("superchip", dtype=torch.bfloat16, enabled=dtype == torch.float32):
-                b = model(x.to("superchip")).float().square().mean()
-            b.backward(); o.step(); o.zero_grad()
-            losses.append([a.item(), b.item()])
             versions.append(superchip.weights_plan()["version"])
             if i == 5:
                 superchip.reset_stream_stats()
+
+        losses = train_pair(ref, model, [(torch.randn(32, 512, generator=g).to(dtype),) for _ in range(10)],
+                            loss, on_step)
         plan = superchip.weights_plan(model)
         order = plan.pop("order")
         names = sorted({{n for e in order for n in e["names"]}})
         print(json.dumps(dict(stream=superchip.stream_stats(), plan=plan, budget=budget, names=names,
                               versions=versions, param_bytes=param_bytes(model), losses=losses,
                               streamed_reads=sum(e["streamed"] for e in order),
-                              bitwise=all(torch.equal(a, b.cpu()) for a, b in
-                                          zip(ref.parameters(), model.parameters())),
+                              bitwise=same_params(ref, model),
                               weights=sorted(n for n, p in model.named_parameters() if p.dim() == 2),
                               peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
     """, hbm=hbm)
@@ -445,27 +467,18 @@ def test_compiled_model_over_the_budget_trains_like_compiled_cpu():
     r = _run("""
         import copy, warnings
         torch.manual_seed(0)
-        ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
-                                    for _ in range(8)])
+        ref = mlp(256, 8)
         budget = superchip.memory_stats()["hbm.capacity_bytes"]
         model = copy.deepcopy(ref).to("superchip")
         tiers = sorted({superchip.tier_of(p) for p in model.parameters()})
-        cref, cm = torch.compile(ref), torch.compile(model)
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        losses = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(6):
-                x = torch.randn(16, 256, generator=g)
-                a = cref(x).square().mean()
-                a.backward(); o_ref.step(); o_ref.zero_grad()
-                b = cm(x.to("superchip")).square().mean()
-                b.backward(); o.step(); o.zero_grad()
-                losses.append([a.item(), b.item()])
+            losses = train_pair(torch.compile(ref), torch.compile(model),
+                                [(torch.randn(16, 256, generator=g),) for _ in range(6)],
+                                lambda m, x: m(x).square().mean())
         print(json.dumps(dict(losses=losses, tiers=tiers, budget=budget, param_bytes=param_bytes(ref),
-                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              bitwise=same_params(ref, model),
                               hooks_warned=[str(w.message)[:200] for w in caught if "global hooks" in str(w.message)],
                               plan=superchip.weights_plan()["state"], demoted=superchip.weights_plan()["demoted"],
                               peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
@@ -525,24 +538,15 @@ def test_model_built_on_the_device_is_placed_and_streamed(build):
                 if isinstance(mod, torch.nn.Linear):
                     mod.reset_parameters()
         placed = superchip.memory_stats()
-        ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU())
-                                    for _ in range(48)])
+        ref = mlp(128, 48)
         ref.load_state_dict({{k: v.cpu() for k, v in model.state_dict().items()}})
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(16, 128, generator=g)
-            a = ref(x).square().mean()
-            a.backward(); o_ref.step(); o_ref.zero_grad()
-            b = model(x.to("superchip")).square().mean()
-            b.backward(); o.step(); o.zero_grad()
-            losses.append([a.item(), b.item()])
+        losses = train_pair(ref, model, [(torch.randn(16, 128, generator=g),) for _ in range(6)],
+                            lambda m, x: m(x).square().mean())
         plan = superchip.weights_plan(model)
         print(json.dumps(dict(losses=losses, budget=placed["hbm.capacity_bytes"],
                               placed_hbm=placed["hbm.allocated_bytes"], param_bytes=param_bytes(ref),
-                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              bitwise=same_params(ref, model),
                               state=plan["state"], stream=superchip.stream_stats(),
                               names=sorted({{n for e in plan["order"] for n in e["names"]}}),
                               weights=sorted(n for n, p in model.named_parameters() if p.dim() == 2),
@@ -571,25 +575,16 @@ def test_lm_head_larger_than_half_the_arena_is_staged_not_read_in_place():
                                            num_hidden_layers=2, num_attention_heads=4,
                                            num_key_value_heads=2, max_position_embeddings=64))
         model = copy.deepcopy(ref).to("superchip")
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        losses = []
-        for i in range(7):
-            x = torch.randint(0, 2048, (2, 32), generator=g)
-            a = ref(input_ids=x, labels=x).loss
-            a.backward(); o_ref.step(); o_ref.zero_grad()
-            b = model(input_ids=x.to("superchip"), labels=x.to("superchip")).loss
-            b.backward(); o.step(); o.zero_grad()
-            losses.append([a.item(), b.item()])
-            if i == 3:
-                superchip.reset_stream_stats()
+        losses = train_pair(ref, model, [(torch.randint(0, 2048, (2, 32), generator=g),) for _ in range(7)],
+                            lambda m, x: m(input_ids=x, labels=x).loss,
+                            lambda i: superchip.reset_stream_stats() if i == 3 else None)
         plan = superchip.weights_plan(model)
         print(json.dumps(dict(losses=losses, budget=superchip.memory_stats()["hbm.capacity_bytes"],
                               param_bytes=param_bytes(ref), state=plan["state"], version=plan["version"],
                               arena=plan["staging_budget"], stream=superchip.stream_stats(),
                               head=[e["bytes"] for e in plan["order"] if "lm_head.weight" in e["names"]],
-                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              bitwise=same_params(ref, model),
                               peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
     """, hbm="4M")
     st = r["stream"]
@@ -617,21 +612,14 @@ def test_a_float_input_read_by_every_layer_is_not_taken_for_a_weight():
         ref = Net()
         model = Net().to("superchip")
         model.load_state_dict(ref.state_dict())
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(8):
-            x, bias = torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
-            a = ref(x, bias).square().mean()
-            a.backward(); o_ref.step(); o_ref.zero_grad()
-            b = model(x.to("superchip"), bias.to("superchip")).square().mean()
-            b.backward(); o.step(); o.zero_grad()
-            losses.append([a.item(), b.item()])
+        losses = train_pair(ref, model, [(torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g))
+                                         for _ in range(8)],
+                            lambda m, x, bias: m(x, bias).square().mean())
         plan = superchip.weights_plan(model)
         print(json.dumps(dict(losses=losses, state=plan["state"], version=plan["version"],
                               unnamed=sum(not e["names"] for e in plan["order"]),
-                              bitwise=all(torch.equal(p, q.cpu()) for p, q in zip(ref.parameters(), model.parameters())),
+                              bitwise=same_params(ref, model),
                               stream=superchip.stream_stats())))
     """, hbm="512K")
     assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
