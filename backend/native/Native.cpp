@@ -193,6 +193,17 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   return dst;
 }
 
+void register_weight(const at::Tensor& t, bool place) {
+  if (!is_superchip(t) || !t.is_floating_point() || t.layout() != c10::kStrided || !t.has_storage() ||
+      !fills_storage(t)) {
+    return;
+  }
+  c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  if (WeightStreamer::get().is_weight(&storage)) return;
+  if (place) place_registered_weight(storage);
+  WeightStreamer::get().mark_weight(storage, /*of_model=*/true);
+}
+
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   if (is_superchip(dst)) {
     resize_(dst, self.sizes(), std::nullopt);

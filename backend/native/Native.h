@@ -35,6 +35,10 @@ at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source);
 at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source);
 at::Tensor& set_empty(at::Tensor& self);
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking);
+// A parameter made on the device, which no copy from the CPU marked: a weight when it is a
+// floating-point tensor over its whole storage (`place`: placed under hbm's weights limit,
+// moving its bytes; see copy_from for the weights that arrive by copy).
+void register_weight(const at::Tensor& t, bool place);
 // Tensor.record_stream(s): the storage's block is not reused until work queued on `s` so far
 // has run (SuperchipAllocator::recordStream).
 void record_stream(at::Tensor& self, c10::Stream s);

@@ -3,7 +3,7 @@
 
 #include <pybind11/stl.h>
 
-#include "backend/runtime/SuperchipAllocator.h"
+#include "backend/native/Native.h"
 #include "backend/stream/WeightStreamer.h"
 
 namespace py = pybind11;
@@ -63,18 +63,7 @@ void bind_stream(py::module& m) {
   // A parameter registered on a module (`place`: placed under hbm's weights limit) or stepped
   // by an optimizer: one made on the device is a weight (streamed from host), like one copied
   // in whole from the CPU.
-  m.def("_register_weight", [](const at::Tensor& t, bool place) {
-    if (t.device().type() != c10::DeviceType::PrivateUse1 || !t.is_floating_point() ||
-        t.layout() != c10::kStrided || !t.has_storage() || t.storage_offset() != 0 ||
-        !t.is_non_overlapping_and_dense() ||
-        static_cast<size_t>(t.numel()) * t.element_size() != t.storage().nbytes()) {
-      return;
-    }
-    c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
-    if (WeightStreamer::get().is_weight(&storage)) return;
-    if (place) place_registered_weight(storage);
-    WeightStreamer::get().mark_weight(storage, /*of_model=*/true);
-  }, py::arg("tensor"), py::arg("place"));
+  m.def("_register_weight", &native::register_weight, py::arg("tensor"), py::arg("place"));
   m.def("_stream_plan", [] {
     const StreamPlan p = WeightStreamer::get().plan();
     py::dict d;
