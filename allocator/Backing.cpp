@@ -68,9 +68,12 @@ class HostBacking final : public Backing {
   RawBlock allocate(size_t bytes) override {
     RawBlock block;
     block.bytes = bytes;
-    if (bytes >= kMmapThreshold) {
+    if (bytes >= kMmapThreshold || pin_) {
       // mmap gives page-aligned memory that is only committed when touched, and a range
-      // of its own that mbind and cudaHostRegister can act on.
+      // of its own that mbind and cudaHostRegister can act on. With a GPU every host block
+      // is pinned, small ones too: a forwarded CUDA kernel or a tail-bucket step reads
+      // host-tier operands in place, and pageable memory there is an illegal address
+      // (seen on an H100: the optimizer state of small parameters).
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) return RawBlock{};
       block.ptr = p;

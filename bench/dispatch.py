@@ -20,8 +20,6 @@ Not a test; every figure is a ratio to a baseline measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import json
 import os
 import platform
@@ -31,17 +29,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import superchip
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from data import CharTokenizer, TEXT, get_batch  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-
 sys.path.insert(0, str(ROOT / "bench"))
 from benchinfo import cpu_model, git_commit  # noqa: E402
+from step_case import CudaWorker, StepCase, build_model, synchronize  # noqa: E402
 
 
 # ---- machine ----------------------------------------------------------------------------
@@ -64,13 +58,6 @@ def machine_info() -> dict:
 
 # ---- timing -----------------------------------------------------------------------------
 
-def synchronize(device: str) -> None:
-    if device.startswith("superchip"):
-        torch.superchip.synchronize()
-    elif device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def interleaved_samples(cases: dict, reps: int) -> dict:
     """Runs each case's ``fn()`` in turn, ``reps`` rounds, rotating the order each round so no
     case always runs first; returns each case's list of results."""
@@ -88,58 +75,29 @@ def interleaved_medians(cases: dict, reps: int) -> dict:
 
 # ---- (a) training step --------------------------------------------------------------------
 
-class StepCase:
-    """A model, its AdamW and a batch stream on one device; ``__call__`` times some steps."""
-
-    def __init__(self, model: GPT, device: str, data: torch.Tensor, batch: int, steps: int,
-                 math_sdpa: bool = False):
-        self.device = device
-        self.model = copy.deepcopy(model).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.data, self.batch, self.steps = data, batch, steps
-        self.gen = torch.Generator().manual_seed(0)
-        self.math_sdpa = math_sdpa
-
-    def step(self) -> None:
-        x, y = get_batch(self.data, self.batch, self.model.cfg.seq_len, self.gen)
-        _, loss = self.model(x.to(self.device), y.to(self.device))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        loss.item()
-
-    def __call__(self) -> tuple[float, float]:
-        """Seconds per step: (wall clock, this process's CPU time)."""
-        ctx = sdpa_kernel([SDPBackend.MATH]) if self.math_sdpa else contextlib.nullcontext()
-        with ctx:
-            synchronize(self.device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(self.steps):
-                self.step()
-            synchronize(self.device)
-        return ((time.perf_counter() - t0) / self.steps,
-                (time.process_time() - c0) / self.steps)
-
-
 def bench_step(args, baselines: list[str]) -> dict:
-    tok = CharTokenizer(TEXT)
-    data = tok.encode(TEXT)
-    cfg = GPTConfig(vocab_size=tok.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, d_model=args.d_model)
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    cfg_args = {"n_layer": args.n_layer, "n_head": args.n_head, "d_model": args.d_model,
+                "seq_len": args.seq_len, "batch": args.batch, "steps_per_rep": args.steps_per_rep}
+    model, data = build_model(cfg_args)
+    cfg = model.cfg
     cases = {"superchip": StepCase(model, "superchip", data, args.batch, args.steps_per_rep)}
+    worker = None
     for b in baselines:
-        cases[b] = StepCase(model, b, data, args.batch, args.steps_per_rep)
-    if "cuda" in baselines:
-        # superchip's attention route on the CUDA executor (no "overrideable" kernel yet):
-        # superchip / this row is the dispatch cost alone, this row / cuda the route's cost.
-        cases["cuda, math sdpa"] = StepCase(model, "cuda", data, args.batch, args.steps_per_rep,
-                                            math_sdpa=True)
+        if b == "cuda":
+            # Note [CUDA baseline in its own process] (step_case.py). Its second case is
+            # superchip's attention route on the CUDA executor (no "overrideable" kernel yet):
+            # superchip / "cuda, math sdpa" is the dispatch cost alone, that row / cuda the
+            # route's cost.
+            worker = CudaWorker(cfg_args)
+            cases.update(worker.cases())
+        else:
+            cases[b] = StepCase(model, b, data, args.batch, args.steps_per_rep)
     for case in cases.values():  # warm-up: optimizer state, allocator caches, lazy init
         for _ in range(2):
             case.step()
     samples = interleaved_samples(cases, args.reps)
+    if worker is not None:
+        worker.close()
     wall = {n: [w for w, _ in s] for n, s in samples.items()}
     cpu = {n: [c for _, c in s] for n, s in samples.items()}
     med = {n: statistics.median(s) for n, s in wall.items()}

@@ -14,7 +14,7 @@ echo "[build_inplace] cmake -S . -B $BUILD (${gen[*]:-make})"
 cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSUPERCHIP_BUILD_PYTHON=ON \
   -DSUPERCHIP_BUILD_TESTS="${SUPERCHIP_BUILD_TESTS:-OFF}" -DPython3_EXECUTABLE="$(command -v "$PY")" \
   ${SUPERCHIP_CMAKE_ARGS:-} >/dev/null
-cmake --build "$BUILD" -j "${JOBS:-2}"
+cmake --build "$BUILD" -j "${JOBS:-2}" ${SUPERCHIP_BUILD_KEEP_GOING:+-- -k 0}
 so=$(ls "$BUILD"/backend/_C*.so)
 ln -sf "$(pwd)/$so" python/superchip/
 echo "[build_inplace] linked $so into python/superchip; use PYTHONPATH=$(pwd)/python"

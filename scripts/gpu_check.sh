@@ -48,7 +48,7 @@ phase_build() {
   [[ -d .gtest ]] && args+=" -DSUPERCHIP_GTEST_SOURCE_DIR=$PWD/.gtest"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
-  SUPERCHIP_BUILD_TESTS=ON SUPERCHIP_CMAKE_ARGS="$args" JOBS=$(nproc) run build bash scripts/build_inplace.sh
+  SUPERCHIP_BUILD_KEEP_GOING=1 SUPERCHIP_BUILD_TESTS=ON SUPERCHIP_CMAKE_ARGS="$args" JOBS=$(nproc) run build bash scripts/build_inplace.sh
 }
 
 phase_cpp() {

@@ -2,6 +2,7 @@
 #include <ATen/Functions.h>
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #ifndef ADD_NS
 #define ADD_NS(RAW_OP) at::RAW_OP
@@ -14,6 +15,11 @@ using at::ScalarType;
 using at::Tensor;
 using at::IntArrayRef;
 using at::TensorList;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+// Older torch (2.11, the GPU machine's) names DimnameList unqualified in its op lists; 2.13
+// has no named-tensor entries there.
+using at::DimnameList;
+#endif
 using at::autocast::CastPolicy;
 
 #define SUPERCHIP_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)

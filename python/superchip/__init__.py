@@ -24,6 +24,11 @@ if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "superchip"
 from . import _C  # noqa: E402  (registers allocator, hooks, guard and kernels)
 from . import device as _device_module  # noqa: E402
 
+if _C._executor() == "cuda":
+    # The CUDA executor runs torch's CUDA kernels, whose caching allocator and generators exist
+    # only after torch's lazy CUDA initialisation; a script that never touched torch.cuda got
+    # "Allocator not initialized for device" at its first forwarded op.
+    torch.cuda.init()
 _C._init()
 
 if torch._C._get_privateuse1_backend_name() != "superchip":
