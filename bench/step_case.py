@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,7 +105,8 @@ class CudaWorker:
     def __init__(self, cfg_args: dict):
         env_cfg = json.dumps(cfg_args)
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), env_cfg],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
         ready = self.proc.stdout.readline().strip()
         if ready != "ready":
             raise RuntimeError(f"bench: the CUDA baseline worker did not start (said {ready!r})")

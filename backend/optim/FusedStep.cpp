@@ -1,6 +1,8 @@
 #include "backend/optim/FusedStep.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -45,6 +47,19 @@ void wait_pending(const at::Tensor& t) {
   if (t.defined() && t.has_storage()) OffloadEngine::get().wait_for_storage(t.storage().unsafeGetStorageImpl());
 }
 
+// Note [Kernel results keep the version]
+// A step's kernel writes a parameter's bytes directly when it can address them (the CPU
+// executor, host-tier parameters) and autograd's version counter does not move. When the
+// operand had to be staged (an hbm parameter under the CUDA executor), its write-back copy
+// must not move it either: the engine's asynchronous step writes back while the next forward
+// runs, so a bump there made that forward's saved weights "modified by an inplace operation"
+// in its backward (seen on an H100). Below ADInplaceOrView the copy leaves the counter alone,
+// as the direct write does.
+void copy_without_version_bump(const at::Tensor& dst, const at::Tensor& src) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  dst.copy_(src);
+}
+
 bool host_addressable(const at::Tensor& t) {
   if (t.device().is_cpu()) return true;
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
@@ -73,7 +88,7 @@ class HostOperand {
   }
   void* data() const { return host_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) original_.copy_(host_);
+    if (staged_ && written_) copy_without_version_bump(original_, host_);
     // The kernel wrote the bytes directly: a staged copy of this weight is stale.
     if (written_ && original_.device().type() == c10::DeviceType::PrivateUse1) {
       WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
@@ -105,7 +120,7 @@ class ExecutorOperand {
   }
   void* data() const { return exec_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) original_.copy_(exec_);
+    if (staged_ && written_) copy_without_version_bump(original_, exec_);
     if (written_) WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
   }
 

@@ -101,9 +101,11 @@ def test_exact_against_plain_step(dtype, clip):
     engine = _train(dtype, True, clip=clip)
     _assert_same(plain, engine)
     st = engine[1].offload_stats()
-    assert st["steps"] == 6 and st["buckets"] >= 3 and st["tail_buckets"] == 0
-    if clip in (None, 1e9):
-        assert st["speculated_buckets"] >= 4 * st["buckets"] and st["rolled_back_buckets"] == 0
+    # The cost model's tail: none on the CPU executor (the same cores), one on CUDA.
+    tail = 0 if superchip.executor() == "cpu" else 1
+    assert st["steps"] == 6 and st["buckets"] >= 3 and st["tail_buckets"] == tail
+    if clip in (None, 1e9):  # every bucket but the tail speculated from the second step on
+        assert st["speculated_buckets"] >= 4 * (st["buckets"] - tail) and st["rolled_back_buckets"] == 0
     if clip == 1e-3:
         assert st["rolled_back_buckets"] >= 1
         # The predictor backs off: far fewer speculations than buckets x steps.

@@ -15,7 +15,7 @@ CUDA reference is forced to the math route too and the comparison covers everyth
 
 from __future__ import annotations
 
-import copy
+import json
 import os
 import subprocess
 import sys
@@ -23,63 +23,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import superchip
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from data import CharTokenizer, TEXT, get_batch  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parity_train import seeded_model, small_config, train  # noqa: E402
+from model import GPT  # noqa: E402  (examples/, put on the path by parity_train)
 
-STEPS = 20
-BATCH, SEQ = 8, 32
 REF_DEVICE = superchip.executor()  # "cpu" or "cuda": the device whose kernels superchip runs
 
 
-def small_config(**overrides) -> GPTConfig:
-    cfg = dict(vocab_size=CharTokenizer(TEXT).vocab_size, seq_len=SEQ, n_layer=2, n_head=2,
-               d_model=64)
-    cfg.update(overrides)
-    return GPTConfig(**cfg)
-
-
-def make_optimizer(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
-
-
-def train(model: GPT, device: str, optimizer: str, steps: int = STEPS):
-    """Trains ``model`` in place on ``device``; returns the per-step losses (CPU floats, as
-    tensors so they compare bit for bit) and the final parameters and optimizer state on CPU."""
-    model = model.to(device)
-    opt = make_optimizer(optimizer, model.parameters())
-    data = CharTokenizer(TEXT).encode(TEXT)
-    gen = torch.Generator().manual_seed(1234)
-    losses = []
-    for _ in range(steps):
-        x, y = get_batch(data, BATCH, SEQ, gen)
-        _, loss = model(x.to(device), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().cpu())
-    params = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    state = {n: {k: v.detach().cpu() for k, v in opt.state[p].items() if torch.is_tensor(v)}
-             for n, p in model.named_parameters()}
-    return torch.stack(losses), params, state
-
-
-def twin_runs(optimizer: str, **cfg):
-    torch.manual_seed(0)
-    model = GPT(small_config(**cfg))
+def twin_runs(optimizer: str, tmp_path: Path, **cfg):
     if REF_DEVICE == "cuda":
-        with sdpa_kernel([SDPBackend.MATH]):
-            ref = train(copy.deepcopy(model), REF_DEVICE, optimizer)
+        # Note [CUDA reference in its own process] (parity_train.py)
+        out = tmp_path / f"reference-{optimizer}.pt"
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "parity_train.py"),
+                               optimizer, json.dumps(cfg), str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+        assert proc.returncode == 0, f"the CUDA reference run failed:\n{proc.stderr}"
+        ref = torch.load(out)
     else:
-        ref = train(copy.deepcopy(model), REF_DEVICE, optimizer)
-    dut = train(model, "superchip", optimizer)
+        ref = train(seeded_model(**cfg), REF_DEVICE, optimizer)
+    dut = train(seeded_model(**cfg), "superchip", optimizer)
     return ref, dut
 
 
@@ -113,14 +80,14 @@ TIES = [pytest.param(False, id="untied"), pytest.param(True, id="tied")]
 
 
 @pytest.mark.parametrize("tie_weights", TIES)
-def test_sgd_momentum_matches_reference_bitwise(tie_weights):
-    ref, dut = twin_runs("sgd", tie_weights=tie_weights)
+def test_sgd_momentum_matches_reference_bitwise(tie_weights, tmp_path):
+    ref, dut = twin_runs("sgd", tmp_path, tie_weights=tie_weights)
     assert_runs_match(ref, dut, SGD_RTOL)
 
 
 @pytest.mark.parametrize("tie_weights", TIES)
-def test_adamw_matches_reference(tie_weights):
-    ref, dut = twin_runs("adamw", tie_weights=tie_weights)
+def test_adamw_matches_reference(tie_weights, tmp_path):
+    ref, dut = twin_runs("adamw", tmp_path, tie_weights=tie_weights)
     assert_runs_match(ref, dut, ADAMW_RTOL)
 
 
