@@ -3,13 +3,16 @@
 # build, the C++ suites with the CUDA kernels, pytest with the CUDA executor and the GPU
 # benchmarks. Runs the phases named on the command line, in order, each into one log:
 #
-#   bash scripts/gpu_check.sh build cpp pytest-core      # one device call (about 10 minutes)
-#   bash scripts/gpu_check.sh build pytest               # the whole suite on the CUDA executor
+#   bash scripts/gpu_check.sh build cpp pytest-core      # one device call (build 48 s on an H100 machine)
+#   bash scripts/gpu_check.sh build pytest               # the suite on the CUDA executor, sweeps aside
 #   bash scripts/gpu_check.sh build bench-dispatch bench-optim bench-offload bench-weights
+#
+# Each device call starts a bare machine, so each begins with `build`. What the first run
+# found and fixed is in bench/results/gpu-check-h100.md.
 #
 # Phases: build (incremental; needs torch with CUDA, nvcc, CMake), cpp (ops_cuda_tests,
 # ops_tests, allocator_tests, engine_tests), pytest-core (engine, optimizer and weight
-# streaming files), pytest (test/python, whole), bench-dispatch, bench-optim, bench-offload,
+# streaming files), pytest (test/python but the sweeps), pytest-sweeps, bench-dispatch, bench-optim, bench-offload,
 # bench-weights (bench/weights_gpu.py), bench-compile. Output goes under $OUT (the device
 # tool's folder that comes back; build/gpu_out elsewhere): gpu_check.log plus each bench's
 # text and JSON, at most 8 files per call. A phase that fails is reported and the next one
@@ -67,7 +70,17 @@ phase_pytest_core() {
     test/python/test_optim.py test/python/test_weights_placement.py test/python/test_training_parity.py
 }
 
-phase_pytest() { run pytest $PY -m pytest "${pytest_args[@]}" test/python; }
+# The whole suite but the sweeps, then the sweeps: in parallel workers (pytest-xdist, there on
+# the GPU machine) with each result printed as it comes (-v), so a run cut by the device
+# call's limit still names what passed and failed. Measured on the H100 (16 cores), 14
+# workers: the suite minus sweeps does not finish in 140 s; give it 300.
+xdist_args=()
+$PY -c "import xdist" 2>/dev/null && xdist_args=(-n "${SUPERCHIP_GPU_WORKERS:-12}" -v)
+sweeps=(test/python/test_opinfo_sweep.py test/python/test_opinfo_dtypes_sweep.py test/python/test_moduleinfo_sweep.py)
+phase_pytest() {
+  run pytest $PY -m pytest "${pytest_args[@]}" "${xdist_args[@]}" test/python "${sweeps[@]/#/--ignore=}"
+}
+phase_pytest_sweeps() { run pytest-sweeps $PY -m pytest "${pytest_args[@]}" "${xdist_args[@]}" "${sweeps[@]}"; }
 
 phase_bench() {  # phase_bench NAME SCRIPT ARGS...
   local name=$1 script=$2
@@ -81,6 +94,7 @@ for phase in "$@"; do
     cpp) phase_cpp ;;
     pytest-core) phase_pytest_core ;;
     pytest) phase_pytest ;;
+    pytest-sweeps) phase_pytest_sweeps ;;
     bench-dispatch) phase_bench dispatch dispatch.py --json "$OUT/dispatch-gpu.json" ;;
     bench-optim) phase_bench optim optim.py --json "$OUT/optim-gpu.json" ;;
     bench-offload) phase_bench offload offload.py --out "$OUT/offload-gpu.txt" ;;
