@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import superchip  # noqa: F401
+import superchip
 
 from helpers import DEVICE, assert_close_cpu
 
@@ -122,6 +122,14 @@ def test_dropout_p0_is_identity():
     torch.testing.assert_close(out_dev.detach().cpu(), x, rtol=0, atol=0)
 
 
+# Random masks equal the CPU's only where the CPU's generator draws them: the CPU executor. The
+# CUDA executor's default generator is CUDA's own, so there the mask is plain CUDA's
+# (test_dropout_matches_plain_cuda_for_a_seed).
+CPU_RNG = pytest.mark.skipif(superchip.executor() != "cpu",
+                             reason="random masks from CUDA's generator, not the CPU's")
+
+
+@CPU_RNG
 def test_dropout_seed_parity():
     x = torch.randn(64, 32)
     out_cpu, out_dev = _parity(nn.Dropout(p=0.3), x, seed=123)
@@ -133,11 +141,32 @@ def test_dropout_seed_parity():
     assert not torch.equal(other.cpu() == 0, out_dev.detach().cpu() == 0)
 
 
+@pytest.mark.skipif(superchip.executor() != "cuda", reason="needs the CUDA executor")
+def test_dropout_matches_plain_cuda_for_a_seed():
+    # Forward only on plain CUDA: its backward cannot run in a process with superchip loaded
+    # on torch < 2.13 (Note [CUDA reference in its own process], parity_train.py).
+    x = torch.randn(64, 32)
+    torch.manual_seed(123)
+    ref = F.dropout(x.cuda(), 0.3).cpu()
+    torch.manual_seed(123)
+    xd = x.to(DEVICE).requires_grad_()
+    out = F.dropout(xd, 0.3)
+    assert torch.equal(out.detach().cpu(), ref)
+    g = torch.randn_like(x)
+    out.backward(g.to(DEVICE))
+    kept = ref != 0  # x has no exact zeros
+    assert 0.6 < kept.float().mean().item() < 0.8
+    torch.testing.assert_close(xd.grad.cpu(), torch.where(kept, g / 0.7, torch.zeros_like(g)),
+                               rtol=1e-6, atol=0.0)
+
+
 class _MLP(nn.Module):
     def __init__(self):
         super().__init__()
+        # Dropout's mask matches the CPU reference's only with the CPU executor (CPU_RNG).
+        p = 0.1 if superchip.executor() == "cpu" else 0.0
         self.net = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.LayerNorm(32),
-                                 nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1),
+                                 nn.Linear(32, 32), nn.ReLU(), nn.Dropout(p),
                                  nn.Linear(32, 3))
 
     def forward(self, x):
