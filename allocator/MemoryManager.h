@@ -98,8 +98,9 @@ class MemoryManager {
   };
   Placed allocate_placed(size_t nbytes, size_t hbm_limit = 0);
   // Whether a block of nbytes may be placed in host for a kernel to read: always emulated;
-  // with a GPU only blocks the host backing pins (>= kMmapThreshold), since a GPU kernel
-  // cannot read unpinned host memory everywhere.
+  // with a GPU only blocks >= kMmapThreshold. The host backing now pins small blocks too
+  // (a GPU kernel cannot read pageable host memory everywhere); widening this rule to them
+  // waits for a GPU run that measures it.
   bool host_placeable(size_t nbytes) const noexcept;
   // The hbm_limit for weights: hbm capacity minus the activation reserve; 0 when hbm is
   // unlimited (no reserve to keep).
