@@ -2,12 +2,12 @@
 script it is the plain-CUDA baseline's worker process.
 
 Note [CUDA baseline in its own process]
-With torch before 2.13, registering a PrivateUse1 device makes ``at::getAccelerator()`` name it
-instead of CUDA, and from then on every backward over plain CUDA tensors in that process trips
-``opt_ready_stream && opt_parent_stream`` in the autograd engine (pytorch/pytorch#161129; seen
-on the H100 machine with torch 2.11). So the plain-CUDA training steps run in a child process
-that never imports superchip. The parent still interleaves: it asks the child for a few steps
-of one case at a time over a pipe, in turn with its own cases.
+With torch 2.11 (the H100 machine's; later versions not checked), registering a PrivateUse1
+device makes ``at::getAccelerator()`` name it instead of CUDA, and from then on every backward
+over plain CUDA tensors in that process trips ``opt_ready_stream && opt_parent_stream`` in the
+autograd engine (pytorch/pytorch#161129). So the plain-CUDA training steps run in a child
+process that never imports superchip. The parent still interleaves: it asks the child for a few
+steps of one case at a time over a pipe, in turn with its own cases.
 
     python bench/step_case.py '{"n_layer": 4, ...}'   # reads case names, answers "wall cpu"
 """

@@ -2,10 +2,10 @@
 reference can run in a child process that never imports it.
 
 Note [CUDA reference in its own process]
-With torch before 2.13, once a PrivateUse1 device is registered ``at::getAccelerator()`` names
-it rather than CUDA, and every backward over plain CUDA tensors in that process then trips
-``opt_ready_stream && opt_parent_stream`` in the autograd engine (pytorch/pytorch#161129; seen on
-the H100 machine with torch 2.11). The CUDA reference therefore trains in a child:
+With torch 2.11 (the H100 machine's; later versions not checked), once a PrivateUse1 device is
+registered ``at::getAccelerator()`` names it rather than CUDA, and every backward over plain
+CUDA tensors in that process then trips ``opt_ready_stream && opt_parent_stream`` in the
+autograd engine (pytorch/pytorch#161129). The CUDA reference therefore trains in a child:
 
     python parity_train.py OPTIMIZER CONFIG_JSON OUT.pt     # torch.save of train()'s result
 """

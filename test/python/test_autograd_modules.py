@@ -144,7 +144,7 @@ def test_dropout_seed_parity():
 @pytest.mark.skipif(superchip.executor() != "cuda", reason="needs the CUDA executor")
 def test_dropout_matches_plain_cuda_for_a_seed():
     # Forward only on plain CUDA: its backward cannot run in a process with superchip loaded
-    # on torch < 2.13 (Note [CUDA reference in its own process], parity_train.py).
+    # with torch 2.11 (Note [CUDA reference in its own process], parity_train.py).
     x = torch.randn(64, 32)
     torch.manual_seed(123)
     ref = F.dropout(x.cuda(), 0.3).cpu()
