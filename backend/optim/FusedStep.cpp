@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <string>
 
 #include "allocator/Topology.h"
 #include "backend/engine/OffloadEngine.h"
@@ -60,10 +61,31 @@ void copy_without_version_bump(const at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src);
 }
 
+// Note [Staging hbm operands without a GPU]
+// Under the CUDA executor the CPU kernels cannot address hbm, so a step stages hbm operands
+// through pinned host copies and writes them back (HostOperand). SUPERCHIP_STAGE_HBM_OPERANDS=1
+// makes the CPU executor do the same, so that this path, which only a GPU run reached before
+// (where it broke the engine, Note [Kernel results keep the version]), is tested in CI.
+bool stage_hbm_operands() {
+  static const bool on = [] {
+    const char* v = std::getenv("SUPERCHIP_STAGE_HBM_OPERANDS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
 bool host_addressable(const at::Tensor& t) {
   if (t.device().is_cpu()) return true;
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
   return executor() == Executor::kCpu || storage_tier(*t.storage().unsafeGetStorageImpl()) == Tier::kHost;
+}
+
+// Whether HostOperand stages `t` although the kernel could address it: an hbm operand under
+// SUPERCHIP_STAGE_HBM_OPERANDS=1 with the CPU executor (Note [Staging hbm operands without a GPU]).
+bool staged_for_emulation(const at::Tensor& t) {
+  return stage_hbm_operands() && executor() == Executor::kCpu &&
+         t.device().type() == c10::DeviceType::PrivateUse1 &&
+         storage_tier(*t.storage().unsafeGetStorageImpl()) == Tier::kHbm;
 }
 
 // A host-addressable, contiguous view of `t` for the kernel; write_back() copies kernel
@@ -75,9 +97,10 @@ class HostOperand {
 
   HostOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
     wait_pending(t);
-    if (host_addressable(t) && t.is_contiguous()) {
+    const bool direct = host_addressable(t) && !staged_for_emulation(t);
+    if (direct && t.is_contiguous()) {
       host_ = t;
-    } else if (host_addressable(t)) {
+    } else if (direct) {
       host_ = t.contiguous();
       staged_ = true;
     } else {
