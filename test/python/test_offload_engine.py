@@ -511,7 +511,10 @@ def test_the_engine_with_hbm_operands_staged_as_on_a_gpu():
     import os
     import subprocess
 
-    env = dict(os.environ, SUPERCHIP_STAGE_HBM_OPERANDS="1")
+    # The child imports the same superchip package as this process (a dev tree or a wheel).
+    package_root = str(Path(superchip.__file__).resolve().parents[1])
+    env = dict(os.environ, SUPERCHIP_STAGE_HBM_OPERANDS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "not test_the_engine_with_hbm_operands_staged_as_on_a_gpu"],
                        env=env, capture_output=True, text=True, timeout=900,
