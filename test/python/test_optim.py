@@ -104,15 +104,19 @@ def test_sgd_fp32_matches_torch_step_by_step(monkeypatch, path, dev):
 @pytest.mark.parametrize("lowp", [torch.bfloat16, torch.float16])
 def test_low_precision_params_follow_fp32_reference(dev, lowp):
     a, b = make_pair(dev, dtype=lowp, seed=3)
+    # The reference steps on the CPU whatever `dev` is: superchip.optim runs the CPU's kernel on
+    # either executor, while torch's AdamW on superchip parameters runs the executor's kernels,
+    # which on CUDA round differently (0.899 of the values agreed on an H100, under the bar).
+    b = torch.nn.Parameter(b.detach().cpu())
     with torch.no_grad():
-        b.copy_(a.float())  # the reference starts from the same (rounded) values
+        b.copy_(a.float().cpu())  # the reference starts from the same (rounded) values
     ours = superchip.optim.AdamW([a], lr=1e-2, weight_decay=0.05)
     ref = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.05, foreach=False)
     g = torch.Generator().manual_seed(5)
     for step in range(20):
         grad = torch.randn(a.shape, generator=g).to(lowp)
         a.grad = grad.to(dev)
-        b.grad = grad.float().to(dev)
+        b.grad = grad.float()
         ours.step()
         ref.step()
         master = ours.state[a]["master_param"]
@@ -123,10 +127,7 @@ def test_low_precision_params_follow_fp32_reference(dev, lowp):
         # and equals the reference cast wherever the two fp32 values agree
         agree = master.cpu() == b.detach().cpu()
         assert torch.equal(a.detach().cpu()[agree], b.detach().cpu().to(lowp)[agree])
-        # Most fp32 values agree bitwise (the 10% band is the reference's own rounding: on the
-        # CUDA executor torch's per-tensor AdamW kernels contract multiply-adds; 0.899 agreed
-        # there on an H100, above 0.9 on the CPU executor).
-        assert agree.float().mean() > (0.9 if superchip.executor() == "cpu" else 0.8)
+        assert agree.float().mean() > 0.9
 
 
 def test_state_lives_in_host_tier_for_superchip_params():
