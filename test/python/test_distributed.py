@@ -111,6 +111,8 @@ def test_device_module_for_fsdp():
     assert timed[0].elapsed_time(timed[1]) >= 0
 
 
+@pytest.mark.skipif(superchip.executor() != "cpu",
+                    reason="holds an emulated stream busy (_hold_emulated_stream); CUDA streams need a real kernel")
 def test_record_stream_defers_reuse(clean_memory):
     sc = torch.superchip
     side = sc.Stream()
