@@ -284,6 +284,27 @@ void place_registered_weight(c10::StorageImpl& storage) {
   }
 }
 
+// Note [GPU outputs past the hbm budget]
+// A forwarded CUDA kernel's output is allocated by torch's CUDA caching allocator, so it is
+// in GPU memory whatever superchip's budget says. Charged to hbm past that budget, it made
+// the op fail with an out-of-memory error while host had room (seen on the H100:
+// test_oom_from_an_op_output), where an allocation of ours would have gone to host. So such
+// an output moves: a block is placed as any allocation is (hbm, else host, else the error
+// naming both tiers), the device is synchronized so the kernel that wrote the bytes has
+// finished, the bytes are copied, and the executor's memory goes back to its allocator. A
+// copy per spilled output: the cost of running past the budget, which `num_spills` counts.
+namespace {
+
+c10::DataPtr move_gpu_output_out_of_hbm(const c10::Storage& executor_storage, c10::DeviceIndex device) {
+  const size_t nbytes = executor_storage.nbytes();
+  c10::DataPtr placed = allocate_placed(nbytes, device);
+  c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->synchronizeDevice(device);
+  memory(device).copy(placed.get(), executor_storage.data(), nbytes);
+  return placed;
+}
+
+}  // namespace
+
 c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::DeviceIndex device) {
   MemoryManager& m = memory(device);
   const size_t nbytes = executor_storage.nbytes();
@@ -292,13 +313,18 @@ c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::D
   // No bytes to keep alive (an empty result): nothing to account or register.
   if (data == nullptr) return c10::DataPtr(nullptr, superchip_device);
   // The CPU executor's outputs are host memory whichever tier they count in, so a full hbm
-  // charges them to host (Note [Placement]); a GPU's outputs are in its memory: hbm only.
+  // charges them to host (Note [Placement]); a GPU's outputs are in its memory: hbm, or moved
+  // to host past hbm's budget (Note [GPU outputs past the hbm budget]).
   Tier tier = Tier::kHbm;
   try {
     if (executor() == Executor::kCpu) {
       tier = m.account_external_placed(nbytes);
     } else {
-      m.account_external(Tier::kHbm, nbytes);
+      try {
+        m.account_external(Tier::kHbm, nbytes);
+      } catch (const OutOfTierMemory&) {
+        return move_gpu_output_out_of_hbm(executor_storage, device);
+      }
     }
   } catch (const OutOfTierMemory& e) {
     rethrow_as_torch_oom(e);
