@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "bench"))
 from data import CharTokenizer, TEXT, get_batch  # noqa: E402
 from dispatch import interleaved_samples, machine_info, synchronize  # noqa: E402
+from step_case import CudaWorker  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 
@@ -83,9 +84,28 @@ class StepCase:
         return (time.perf_counter() - t0) / self.steps
 
 
+class WallClock:
+    """A worker's case (bench/step_case.py) timed like StepCase: wall-clock seconds per step."""
+
+    def __init__(self, case):
+        self.case = case
+
+    def step(self) -> None:
+        self.case.step()
+
+    def __call__(self) -> float:
+        return self.case()[0]
+
+
 def bench_step(args, baseline: str, model: GPT, data: torch.Tensor) -> tuple[dict, dict]:
-    cases = {}
+    cases, worker = {}, None
     for device in ("superchip", baseline):
+        if device == "cuda":  # Note [CUDA baseline in its own process] (bench/step_case.py)
+            cfg_args = dict(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                            seq_len=args.seq_len, batch=args.batch, steps_per_rep=args.steps_per_rep)
+            worker = CudaWorker(cfg_args, {"cuda compiled": {"compiled": True}, "cuda eager": {}})
+            cases.update({n: WallClock(c) for n, c in worker.cases().items()})
+            continue
         for compiled in (True, False):
             name = f"{device} {'compiled' if compiled else 'eager'}"
             cases[name] = StepCase(model, device, compiled, data, args.batch, args.steps_per_rep)
@@ -96,6 +116,8 @@ def bench_step(args, baseline: str, model: GPT, data: torch.Tensor) -> tuple[dic
             case.step()
         compile_s[name] = time.perf_counter() - t0
     samples = interleaved_samples(cases, args.reps)
+    if worker is not None:
+        worker.close()
     med = {n: statistics.median(s) for n, s in samples.items()}
     fastest = {n: min(s) for n, s in samples.items()}
     head = "superchip compiled"

@@ -53,9 +53,10 @@ class StepCase:
     """A model, its AdamW and a batch stream on one device; ``__call__`` times some steps."""
 
     def __init__(self, model: GPT, device: str, data: torch.Tensor, batch: int, steps: int,
-                 math_sdpa: bool = False):
+                 math_sdpa: bool = False, compiled: bool = False):
         self.device = device
         self.model = copy.deepcopy(model).to(device)
+        self.fn = torch.compile(self.model) if compiled else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.data, self.batch, self.steps = data, batch, steps
         self.gen = torch.Generator().manual_seed(0)
@@ -63,7 +64,7 @@ class StepCase:
 
     def step(self) -> None:
         x, y = get_batch(self.data, self.batch, self.model.cfg.seq_len, self.gen)
-        _, loss = self.model(x.to(self.device), y.to(self.device))
+        _, loss = self.fn(x.to(self.device), y.to(self.device))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -82,7 +83,8 @@ class StepCase:
                 (time.process_time() - c0) / self.steps)
 
 
-CUDA_CASES = {"cuda": False, "cuda, math sdpa": True}  # name -> math_sdpa
+# name -> StepCase options; bench/compile.py asks for its own (compiled and eager plain CUDA)
+CUDA_CASES = {"cuda": {}, "cuda, math sdpa": {"math_sdpa": True}}
 
 
 class RemoteStepCase:
@@ -102,8 +104,9 @@ class RemoteStepCase:
 class CudaWorker:
     """The child process of Note [CUDA baseline in its own process]."""
 
-    def __init__(self, cfg_args: dict):
-        env_cfg = json.dumps(cfg_args)
+    def __init__(self, cfg_args: dict, cases: dict | None = None):
+        self.names = list(cases or CUDA_CASES)
+        env_cfg = json.dumps(dict(cfg_args, cases=cases or CUDA_CASES))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), env_cfg],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
@@ -120,7 +123,7 @@ class CudaWorker:
         return reply
 
     def cases(self) -> dict:
-        return {name: RemoteStepCase(self, name) for name in CUDA_CASES}
+        return {name: RemoteStepCase(self, name) for name in self.names}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -130,8 +133,8 @@ class CudaWorker:
 
 def _worker(cfg_args: dict) -> None:
     model, data = build_model(cfg_args)
-    cases = {name: StepCase(model, "cuda", data, cfg_args["batch"], cfg_args["steps_per_rep"],
-                            math_sdpa=math) for name, math in CUDA_CASES.items()}
+    cases = {name: StepCase(model, "cuda", data, cfg_args["batch"], cfg_args["steps_per_rep"], **opts)
+             for name, opts in cfg_args["cases"].items()}
     print("ready", flush=True)
     for line in sys.stdin:
         verb, name = line.strip().split(" ", 1)

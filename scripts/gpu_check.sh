@@ -10,10 +10,12 @@
 # Each device call starts a bare machine, so each begins with `build`. What the first run
 # found and fixed is in bench/results/gpu-check-h100.md.
 #
-# Phases: build (incremental; needs torch with CUDA, nvcc, CMake), cpp (ops_cuda_tests,
+# Phases: build (incremental; needs torch with CUDA, nvcc, CMake), diag (the crash below),
+# cpp (ops_cuda_tests,
 # ops_tests, allocator_tests, engine_tests), pytest-core (engine, optimizer and weight
 # streaming files), pytest (test/python but the sweeps), pytest-sweeps, bench-dispatch, bench-optim, bench-offload,
-# bench-weights (bench/weights_gpu.py), bench-compile. Output goes under $OUT (the device
+# bench-weights (bench/weights_gpu.py), bench-offload-gpu (bench/offload_gpu.py: a 1.3B Llama,
+# engine vs overlap=False vs GPU-only fused AdamW vs FSDP2 CPU offload), bench-compile. Output goes under $OUT (the device
 # tool's folder that comes back; build/gpu_out elsewhere): gpu_check.log plus each bench's
 # text and JSON, at most 8 files per call. A phase that fails is reported and the next one
 # still runs; the exit status is that of the last failure.
@@ -32,6 +34,7 @@ export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export SUPERCHIP_EXECUTOR=${SUPERCHIP_EXECUTOR:-cuda}
 export SUPERCHIP_COMMIT=${SUPERCHIP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
+last_rc=0
 
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
 
@@ -43,6 +46,7 @@ run() {  # run NAME CMD...: the command's output into the log; failures recorded
   "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   log "$name: rc $rc in $((SECONDS - t0)) s"
+  last_rc=$rc
   [[ $rc == 0 ]] || status=$rc
 }
 
@@ -88,6 +92,26 @@ phase_bench() {  # phase_bench NAME SCRIPT ARGS...
   run "bench-$name" $PY "bench/$script" "$@"
 }
 
+# A crash a user can cause, seen once on the H100 (test_device, no traceback: the xdist worker
+# died): run the suspect alone with Python's faulthandler, and when it dies of a signal, again
+# under cuda-gdb (the GPU image has it, not gdb) for the C++ backtrace.
+phase_diag() {
+  local code='import torch, superchip
+print("device_count", torch.superchip.device_count(), flush=True)
+for what, f in (("empty superchip:1", lambda: torch.empty(1, device="superchip:1")),
+                ("set_device(5)", lambda: torch.superchip.set_device(5))):
+    try:
+        f()
+        print(what, "did not raise", flush=True)
+    except RuntimeError as e:
+        print(what, "raised:", str(e).splitlines()[0][:200], flush=True)'
+  run diag $PY -X faulthandler -c "$code"
+  if [[ $last_rc -ge 128 ]] && command -v cuda-gdb >/dev/null; then
+    run diag-gdb cuda-gdb -batch -ex run -ex bt -ex 'info threads' --args $PY -c "$code"
+  fi
+  run diag-test-device $PY -m pytest "${pytest_args[@]}" -p no:xdist test/python/test_device.py
+}
+
 for phase in "$@"; do
   case $phase in
     build) phase_build ;;
@@ -98,6 +122,8 @@ for phase in "$@"; do
     bench-dispatch) phase_bench dispatch dispatch.py --json "$OUT/dispatch-gpu.json" ;;
     bench-optim) phase_bench optim optim.py --json "$OUT/optim-gpu.json" ;;
     bench-offload) phase_bench offload offload.py --out "$OUT/offload-gpu.txt" ;;
+    bench-offload-gpu) phase_bench offload-gpu offload_gpu.py --out "$OUT/offload-gpu-llama.txt" ;;
+    diag) phase_diag ;;
     bench-weights) phase_bench weights weights_gpu.py --out "$OUT/weights-gpu.txt" ;;
     bench-compile) phase_bench compile compile.py --json "$OUT/compile-gpu.json" ;;
     *) log "unknown phase '$phase'"; status=2 ;;
