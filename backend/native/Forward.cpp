@@ -383,7 +383,8 @@ c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
   WeightStreamer& streamer = WeightStreamer::get();
   const bool streaming = streamer.active();
   const bool rows = access == Access::kReadRows;
-  if (rows) access = Access::kRead;
+  const bool copy_source = access == Access::kCopySource;
+  if (rows || copy_source) access = Access::kRead;
   // A write makes any staged copy of a weight stale (Note [Staged copies and writes]).
   if (access == Access::kWrite && streaming) streamer.note_written(si);
   const c10::Device device = executor_device(t.device().index());
@@ -404,7 +405,7 @@ c10::Storage AliasSet::executor_storage(const at::Tensor& t, Access access) {
   // A weight that lives in host is read from its copy in hbm (stream/WeightStreamer.h).
   // ... unless the kernel reads a few rows of it: then in place (Note [Row reads]).
   c10::DataPtr staged;
-  if (access == Access::kRead && streaming) {
+  if (access == Access::kRead && streaming && !copy_source) {
     if (rows) streamer.note_rows_read(si);
     else staged = streamer.read(si, device);
   }

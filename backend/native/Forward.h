@@ -19,8 +19,10 @@ namespace superchip {
 // How an executor kernel uses an operand. kWrite materializes a copy-on-write storage
 // (torch._lazy_clone) before aliasing it; kRead leaves it shared. kReadRows is a read of a few
 // rows (embedding, index_select): a weight in host is read in place, never staged whole
-// (Note [Row reads] in stream/WeightStreamer.cpp).
-enum class Access { kRead, kWrite, kReadRows };
+// (Note [Row reads] in stream/WeightStreamer.cpp). kCopySource is a weight copied whole into a
+// new weight (Note [Copies of weights read in place] in native/Native.cpp): read in place, not
+// staged, not recorded.
+enum class Access { kRead, kWrite, kReadRows, kCopySource };
 
 // Aliases for one executor call. Operands over one superchip storage share one executor
 // StorageImpl, so ATen's overlap checks (out= overlapping an input) and in-place aliasing

@@ -152,29 +152,45 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage(self, std::move(empty), 0, {0}, {});
 }
 
+// Note [Copies of weights read in place]
+// A weight copied whole into another storage outside autocast (which makes that one a weight
+// too, see copy_from) is read where it lives, not staged through hbm (stream/WeightStreamer.h),
+// and the read is not recorded in the order of weight reads. Such copies are a loader's, before
+// the first pass: a meta-initialised model's to_empty parameters filled by p.copy_(w) from
+// weights put on the device, or model.bfloat16() on the device. Recorded, the first of them
+// began the recording, so the model's own parameters, marked after it, were young (Note
+// [Inputs are not weights]): the first plan came from a broken trace and was redone. Other
+// copies read through the streamer as any operator does: autocast's per-pass casts are the
+// forward's reads of its fp32 weights.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(is_superchip(self) || is_executor_or_cpu(self),
               "copy between superchip and ", self.device(), " is not supported; go through the cpu.");
   TORCH_CHECK(is_superchip(dst) || is_executor_or_cpu(dst),
               "copy between superchip and ", dst.device(), " is not supported; go through the cpu.");
   // Weights arriving from the CPU that fill their whole storage (.to("superchip"),
-  // torch.load(map_location=...), load_state_dict), or whole weights cast on the device
-  // (model.to("superchip").bfloat16()): placed under hbm's weights limit. Autocast's
-  // per-forward casts of weights are not weights.
-  const bool cast_of_weight =
-      is_superchip(self) && is_superchip(dst) && self.scalar_type() != dst.scalar_type() &&
-      fills_storage(self) && fills_storage(dst) && !in_autocast_region() &&
-      WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl());
-  if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || cast_of_weight)) {
+  // torch.load(map_location=...), load_state_dict), whole weights cast on the device
+  // (model.to("superchip").bfloat16()), or whole weights copied on the device (a meta-initialised
+  // model's to_empty(device="superchip") parameters filled by p.copy_(w) from weights a loader
+  // put on the device): placed under hbm's weights limit. Autocast's per-forward casts of
+  // weights are not weights. Only a cast is known to be a model's (of_model): a same-dtype copy
+  // may be a pass's scratch copy of a weight, which must stay young (Note [Inputs are not
+  // weights]).
+  const bool copy_of_weight =
+      is_superchip(self) && is_superchip(dst) && fills_storage(self) && fills_storage(dst) &&
+      !in_autocast_region() && WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl());
+  const bool cast_of_weight = copy_of_weight && self.scalar_type() != dst.scalar_type();
+  if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || copy_of_weight)) {
     place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
     // Floating-point, so integer batches (token ids, labels) are never taken for weights.
     if (dst.is_floating_point()) {
       WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl(), /*of_model=*/cast_of_weight);
     }
   }
-  // One AliasSet: a source overlapping the destination is seen as on CPU.
+  // One AliasSet: a source overlapping the destination is seen as on CPU. A weight copied
+  // whole into a new weight is read in place (Note [Copies of weights read in place]).
   AliasSet aliases;
-  at::Tensor src_x = is_superchip(self) ? aliases.alias(self, Access::kRead) : self;
+  at::Tensor src_x =
+      is_superchip(self) ? aliases.alias(self, copy_of_weight ? Access::kCopySource : Access::kRead) : self;
   at::Tensor dst_x = is_superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
   const bool crosses_link = executor() == Executor::kCuda && src_x.device() != dst_x.device();
   if (crosses_link && src_x.scalar_type() != dst_x.scalar_type()) {

@@ -625,3 +625,48 @@ def test_a_float_input_read_by_every_layer_is_not_taken_for_a_weight():
     assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
     assert r["state"] == "streaming" and r["version"] == 1 and r["unnamed"] == 0, r
     assert r["stream"]["hits"] > 0, r
+
+
+@pytest.mark.parametrize("fill", ["load_state_dict", "copy_from_device"])
+def test_meta_initialised_inference_model_is_streamed(fill):
+    # A model built on "meta", then to_empty(device="superchip") and filled, used for inference
+    # only: no registration hook sees its parameters and no optimizer steps them.
+    #  - load_state_dict from CPU tensors: each copy in from the CPU marks a weight.
+    #  - copy_from_device: a loader that puts each tensor on the device first
+    #    (w = t.to("superchip")), then p.copy_(w). Before: the parameters were never marked,
+    #    the plan stayed "recording" and every pass read them in place in host (on a GPU,
+    #    each GEMM over the link). A whole copy of a weight on the device is now a weight.
+    # Logits equal CPU's bit for bit; after the warm-up every dense read is staged.
+    r = _run(f"""
+        ref = llama().eval()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ref.config)
+        model = model.to_empty(device="superchip").eval()
+        for n, b in ref.named_buffers():  # non-persistent (rotary inv_freq): not in a state_dict
+            model.get_buffer(n).copy_(b)
+        if "{fill}" == "load_state_dict":
+            model.load_state_dict(ref.state_dict())
+        else:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(ref.get_parameter(n).to("superchip"))
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randint(0, 512, (2, 32), generator=g) for _ in range(10)]
+        equal = True
+        with torch.no_grad():
+            for i, x in enumerate(xs):
+                if i == 6:
+                    superchip.reset_stream_stats()
+                equal &= torch.equal(model(x.to("superchip")).logits.cpu(), ref(x).logits)
+        plan = superchip.weights_plan(model)
+        print(json.dumps(dict(equal=equal, budget=superchip.memory_stats()["hbm.capacity_bytes"],
+                              param_bytes=param_bytes(ref), state=plan["state"],
+                              stream=superchip.stream_stats(),
+                              peak_hbm=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
+    """, hbm="640K")
+    st = r["stream"]
+    assert r["param_bytes"] >= 4 * r["budget"], r
+    assert r["equal"], r
+    assert r["state"] == "streaming", r
+    assert st["in_place_reads"] == 0 and st["hits"] > 0 and st["hits"] >= 4 * st["staged_at_use"], (fill, st)
+    assert r["peak_hbm"] <= r["budget"], r
