@@ -152,6 +152,20 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage(self, std::move(empty), 0, {0}, {});
 }
 
+// Note [Batches while streaming]
+// A float tensor copied in whole from the CPU is taken for a weight (placed under hbm's weights
+// limit, marked), since that is how models arrive. A float batch arrives the same way, every
+// step: while weights stream, hbm holds the stationary weights up to that limit plus the
+// staging arena, so each batch was moved to host and then copied at use by the first layer's
+// forward and backward, or read in place (on a GPU, over the link), although hbm had room for
+// it. So while a plan is followed and all its weights are alive, such a copy stays where the
+// allocator put it (hbm while hbm has room, else host); it is still marked, and recording
+// still tells batches from weights (Note [Inputs are not weights]). A model moved in while
+// another streams lands in hbm too until hbm is full, then in host; its reads outside the order
+// start a new recording, whose plan demotes what must stream (WeightStreamer::apply). Before
+// any plan, and once a planned weight died (the model that streamed is gone), copies are
+// placed as weights.
+
 // Note [Copies of weights read in place]
 // A weight copied whole into another storage outside autocast (which makes that one a weight
 // too, see copy_from) is read where it lives, not staged through hbm (stream/WeightStreamer.h),
@@ -180,7 +194,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
       !in_autocast_region() && WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl());
   const bool cast_of_weight = copy_of_weight && self.scalar_type() != dst.scalar_type();
   if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || copy_of_weight)) {
-    place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
+    // Note [Batches while streaming]: not moved to host while a live plan is followed.
+    const bool batch = !is_superchip(self) && WeightStreamer::get().following_live_plan();
+    if (!batch) place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
     // Floating-point, so integer batches (token ids, labels) are never taken for weights.
     if (dst.is_floating_point()) {
       WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl(), /*of_model=*/cast_of_weight);

@@ -742,6 +742,15 @@ bool WeightStreamer::is_weight(const c10::StorageImpl* storage) {
   return it != impl_->weights.end() && !it->second.weak.expired();
 }
 
+bool WeightStreamer::following_live_plan() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->state != State::kStreaming || impl_->order.empty()) return false;
+  for (const auto& it : impl_->order) {
+    if (it.weak.expired()) return false;
+  }
+  return true;
+}
+
 void WeightStreamer::note_moved_to_host(const c10::StorageImpl* storage) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->enabled && impl_->weights.count(storage)) impl_->active.store(true, std::memory_order_release);

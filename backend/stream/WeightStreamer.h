@@ -104,6 +104,10 @@ class WeightStreamer {
   void mark_weight(c10::StorageImpl& storage, bool of_model = false);
   // Whether `storage` is a live weight (marked, see above).
   bool is_weight(const c10::StorageImpl* storage);
+  // Whether a plan is being followed and all its weights are alive: training or inference is
+  // under way, so a float tensor copied in from the CPU now is a batch, not a model's weight
+  // (Note [Batches while streaming] in native/Native.cpp).
+  bool following_live_plan();
   // A storage moved to host (move_to_tier): streaming starts if it is a weight.
   void note_moved_to_host(const c10::StorageImpl* storage);
   // For a superchip storage a kernel is about to read: a DataPtr (device `executor_device`)
