@@ -58,7 +58,7 @@ def build(args, dtype):
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.heads, max_position_embeddings=args.seq)
     cfg.use_cache = False
-    model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    model = LlamaForCausalLM._from_config(cfg, dtype=dtype).train()  # checkpointing needs train mode
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     return model

@@ -53,7 +53,7 @@ def one(args, layers):
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM._from_config(config(args, layers), dtype=torch.bfloat16)
+    model = LlamaForCausalLM._from_config(config(args, layers), dtype=torch.bfloat16).train()
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.config.use_cache = False
     pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
