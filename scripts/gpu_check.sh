@@ -3,9 +3,11 @@
 # build, the C++ suites with the CUDA kernels, pytest with the CUDA executor and the GPU
 # benchmarks. Runs the phases named on the command line, in order, each into one log:
 #
-#   bash scripts/gpu_check.sh build cpp pytest-core      # one device call (build 48 s on an H100 machine)
-#   bash scripts/gpu_check.sh build pytest               # the suite on the CUDA executor, sweeps aside
-#   bash scripts/gpu_check.sh build bench-dispatch bench-optim bench-offload bench-weights
+#   bash scripts/gpu_check.sh build diag cpp pytest       # one device call (build 48 s on an H100 machine)
+#   bash scripts/gpu_check.sh build pytest-sweeps
+#   bash scripts/gpu_check.sh build bench-offload-gpu bench-compile   # issues 6 and 9
+#   bash scripts/gpu_check.sh build bench-weights                     # issue 7 (a ~21B model)
+#   bash scripts/gpu_check.sh build bench-dispatch bench-optim bench-offload
 #
 # Each device call starts a bare machine, so each begins with `build`. What the first run
 # found and fixed is in bench/results/gpu-check-h100.md.
