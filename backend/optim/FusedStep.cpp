@@ -1,8 +1,6 @@
 #include "backend/optim/FusedStep.h"
 
 #include <ATen/ops/empty.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -14,6 +12,7 @@
 
 #include "allocator/Topology.h"
 #include "backend/engine/OffloadEngine.h"
+#include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -54,11 +53,17 @@ void wait_pending(const at::Tensor& t) {
 // operand had to be staged (an hbm parameter under the CUDA executor), its write-back copy
 // must not move it either: the engine's asynchronous step writes back while the next forward
 // runs, so a bump there made that forward's saved weights "modified by an inplace operation"
-// in its backward (seen on an H100). Below ADInplaceOrView the copy leaves the counter alone,
-// as the direct write does.
-void copy_without_version_bump(const at::Tensor& dst, const at::Tensor& src) {
-  at::AutoDispatchBelowADInplaceOrView below;
-  dst.copy_(src);
+// in its backward (seen on an H100). Nor may the write-back be a superchip copy_: copy_from
+// takes a whole copy in from the CPU for a weight arriving (Note [Batches while streaming] in
+// native/Native.cpp) and placed the parameter in host when hbm was past its weights limit, from
+// the engine's worker, while the next forward ran (found by review, then reproduced with
+// SUPERCHIP_STAGE_HBM_OPERANDS=1 and a small hbm budget). So the bytes are written through the
+// parameter's executor alias: same bytes, same stream order, no placement, no mark, and the
+// superchip tensor's version counter untouched, as the direct write leaves it.
+void write_back_bytes(const at::Tensor& dst, const at::Tensor& src) {
+  AliasSet aliases;  // one set: a source over dst's storage is seen as such
+  const at::Tensor s = src.device().type() == c10::DeviceType::PrivateUse1 ? aliases.alias(src, Access::kRead) : src;
+  aliases.alias(dst, Access::kWrite).copy_(s);
 }
 
 // Note [Staging hbm operands without a GPU]
@@ -111,7 +116,7 @@ class HostOperand {
   }
   void* data() const { return host_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) copy_without_version_bump(original_, host_);
+    if (staged_ && written_) write_back_bytes(original_, host_);
     // The kernel wrote the bytes directly: a staged copy of this weight is stale.
     if (written_ && original_.device().type() == c10::DeviceType::PrivateUse1) {
       WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
@@ -143,7 +148,7 @@ class ExecutorOperand {
   }
   void* data() const { return exec_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) copy_without_version_bump(original_, exec_);
+    if (staged_ && written_) write_back_bytes(original_, exec_);
     if (written_) WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
   }
 
