@@ -78,7 +78,7 @@ class Operands {
     if (!stage_host_) {
       if (superchip) return executor_alias(t);
       TORCH_CHECK(t.device().is_cpu(), what_, " on the sccl backend: got a tensor on ", t.device(),
-                  "; it serves superchip and cpu tensors. Move it with .to('superchip').");
+                  "; it serves superchip tensors (and cpu ones). Move it with .to('superchip').");
       return t;
     }
     // CUDA executor.
@@ -87,7 +87,7 @@ class Operands {
     }
     if (!superchip && t.device().is_cuda()) return t;
     TORCH_CHECK(superchip || t.device().is_cpu(), what_, " on the sccl backend: got a tensor on ",
-                t.device(), "; it serves superchip, cuda and cpu tensors.");
+                t.device(), "; it serves superchip tensors (and cpu and cuda ones). Move it with .to('superchip').");
     const at::Tensor host = superchip ? host_alias(t) : t;
     const c10::DeviceIndex index = superchip ? t.device().index() : current_device();
     at::Tensor staged = at::empty(t.sizes(), t.options().device(executor_device(index)));

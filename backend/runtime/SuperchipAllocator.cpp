@@ -17,6 +17,7 @@
 #include "allocator/Topology.h"
 #include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/Runtime.h"
+#include "backend/runtime/SuperchipGuard.h"
 #include "backend/runtime/StorageLease.h"
 
 namespace superchip {
@@ -402,8 +403,25 @@ void SuperchipAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
 }
 
 void SuperchipAllocator::recordStream(const c10::DataPtr& ptr, c10::Stream stream) {
-  // Adopted executor memory (CUDA's caching allocator) and empty storages are not ours to hold.
-  if (ptr.get_deleter() != &block_delete || ptr.get() == nullptr) return;
+  if (ptr.get() == nullptr) return;  // an empty storage holds nothing
+  if (ptr.get_deleter() == &adopted_delete) {
+    // Adopted executor memory (most op outputs on the CUDA executor) belongs to CUDA's caching
+    // allocator: the record goes to it, on the executor's stream (before, it was dropped, and
+    // a block recorded on a side stream could be reused while that stream still read it).
+    if (executor() != Executor::kCuda) return;  // the CPU executor's memory is never reused early
+    c10::Storage executor_storage;  // its DataPtr (CUDA's deleter) is what that allocator keys on
+    {
+      AdoptedRegistry& r = adopted_registry();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      auto it = r.blocks.find(ptr.get());
+      if (it == r.blocks.end()) return;
+      executor_storage = it->second->executor_storage;
+    }
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->recordDataPtrOnStream(executor_storage.data_ptr(), to_executor_stream(stream));
+    return;
+  }
+  if (ptr.get_deleter() != &block_delete) return;
   StreamUses& u = stream_uses();
   std::lock_guard<std::mutex> g(u.mutex);
   auto& streams = u.recorded[ptr.get()];

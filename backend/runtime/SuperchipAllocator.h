@@ -27,8 +27,8 @@ class SuperchipAllocator final : public c10::DeviceAllocator {
   bool initialized() override { return true; }
   void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
   // Marks a block as used by `stream`: when its storage dies, the block is reused only after
-  // the work queued on `stream` until then has run (Note [record_stream]). Blocks of adopted
-  // executor memory are left to the executor's allocator.
+  // the work queued on `stream` until then has run (Note [record_stream]). Adopted executor
+  // memory is recorded with the executor's allocator (CUDA's), on the executor stream.
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override;
   // Figures of the `hbm` tier, so torch.accelerator.memory_allocated() means what
   // torch.cuda.memory_allocated() means; the host tier is in superchip.memory_stats().

@@ -98,7 +98,8 @@ def test_multi_device_semantics_in_subprocess():
         assert superchip.memory_stats(1)["hbm.allocated_bytes"] > 0
         print("OK")
     """)
-    res = run_python(code, env={"SUPERCHIP_DEVICE_COUNT": "3"})
+    # Three emulated devices: the CPU executor (the CUDA executor counts the GPUs there are).
+    res = run_python(code, env={"SUPERCHIP_DEVICE_COUNT": "3", "SUPERCHIP_EXECUTOR": "cpu"})
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
 
 

@@ -103,11 +103,14 @@ def test_device_module_for_fsdp():
     e.record(s)
     s.wait_event(e)
     sc.current_stream().wait_stream(s)
-    assert e.query() and s.query()
-    e.synchronize()
+    e.synchronize()  # before query(): on a GPU shared with other work the event may still run
+    assert e.query()
+    sc.synchronize()
+    assert s.query()
     timed = [sc.Event(enable_timing=True) for _ in range(2)]
     timed[0].record()
     timed[1].record()
+    timed[1].synchronize()  # CUDA's elapsed_time raises while either event is incomplete
     assert timed[0].elapsed_time(timed[1]) >= 0
 
 
@@ -135,6 +138,25 @@ def test_record_stream_defers_reuse(clean_memory):
         torch.ones(2, device="superchip").record_stream(torch.Stream(device="cpu"))
 
 
+@pytest.mark.skipif(superchip.executor() != "cuda", reason="a real side-stream kernel (torch.cuda._sleep)")
+def test_record_stream_defers_reuse_of_gpu_outputs():
+    # An op output on the CUDA executor is CUDA's caching-allocator memory adopted by superchip;
+    # record_stream must reach that allocator (before, it was dropped: the block could be handed
+    # out again while a side stream still used it).
+    sc = torch.superchip
+    side = sc.Stream()
+    n = 1 << 20
+    t = torch.ones(n, device="superchip") * 2  # an executor output: adopted memory
+    ptr = t.untyped_storage().data_ptr()
+    with sc.stream(side):
+        torch.cuda._sleep(int(1e9))  # the side stream "still runs" (about half a second)
+    t.record_stream(side)
+    del t
+    others = [torch.ones(n, device="superchip") * 3 for _ in range(4)]
+    assert all(o.untyped_storage().data_ptr() != ptr for o in others)
+    sc.synchronize()
+
+
 def test_sccl_rejects_foreign_tensor_error_text():
     # The creator's own error path: a group world of one, a meta tensor is neither cpu nor superchip.
     import datetime
@@ -145,5 +167,6 @@ def test_sccl_rejects_foreign_tensor_error_text():
     t = torch.ones(3, device="superchip")
     backend.allreduce([t]).wait()
     assert torch.equal(t.cpu(), torch.ones(3))
-    with pytest.raises(RuntimeError, match="serves superchip and cpu tensors"):
+    # Either executor's text: the CUDA executor also serves cuda tensors.
+    with pytest.raises(RuntimeError, match=r"got a tensor on meta; it serves superchip tensors .*Move it with"):
         backend.allreduce([torch.ones(3, device="meta")])
