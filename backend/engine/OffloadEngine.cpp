@@ -2,10 +2,13 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
 #include <new>
+
+#include "backend/runtime/Runtime.h"
 
 // Note [Pending storages]
 // The optimizer step behaves like a kernel launch: step() queues jobs and returns, and an
@@ -34,10 +37,58 @@
 // Jobs run under the ThreadLocalState of the thread that submitted them, so the profiler's
 // callbacks follow them onto the worker and their `superchip::...` ranges show up in traces.
 
+// Note [Engine jobs and GPU streams]
+// Under the CUDA executor a job's CPU work reads what GPU kernels wrote (gradients, from
+// backward) and writes what they read (parameters). It used to synchronize the whole device
+// first (cudaDeviceSynchronize, from FusedStep's wait_for_executor); but by then the training
+// thread has queued more: the rest of backward while a bucket speculates, the next forward while
+// the asynchronous step runs. So every job waited for that too, and on one shared stream its
+// copies queued behind it: the CPU step could not overlap the GPU work it exists to hide. Now
+// submit() records an event on the submitting thread's current stream of each device the job
+// touches (the stream that produced those gradients or read those parameters; the autograd
+// thread's stream for a bucket finished in backward), and the worker waits for exactly those
+// events before the job. Work queued after submit() cannot touch the job's storages before the
+// job ends: operators wait for pending storages (Note [Pending storages]) before they enqueue.
+// The worker's own GPU work (gradient snapshots, staging copies, write-backs) runs on pool
+// streams, one per device, set as its current streams: synchronous copies there wait for
+// nothing but themselves. Not yet run on a GPU: the exactness tests under the CUDA executor
+// check it.
+
 namespace superchip {
 namespace {
 
 thread_local bool t_on_worker = false;
+
+// Events on the calling thread's current CUDA stream of each device `touched` lives on.
+std::vector<std::shared_ptr<c10::Event>> record_ready_events(
+    const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched) {
+  std::vector<std::shared_ptr<c10::Event>> events;
+  if (executor() != Executor::kCuda) return events;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  std::vector<c10::DeviceIndex> devices;
+  for (const auto& s : touched) {
+    if (s->device().type() != c10::DeviceType::PrivateUse1) continue;
+    const c10::DeviceIndex d = s->device().index();
+    bool seen = false;
+    for (c10::DeviceIndex x : devices) seen |= x == d;
+    if (seen) continue;
+    devices.push_back(d);
+    auto e = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    e->record(cuda->getStream(c10::Device(c10::DeviceType::CUDA, d)));
+    events.push_back(std::move(e));
+  }
+  return events;
+}
+
+// The worker's current CUDA stream on every device: a pool stream, not the default stream the
+// training thread queues on.
+void use_side_streams() {
+  if (executor() != Executor::kCuda) return;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  for (c10::DeviceIndex d = 0; d < device_count(); ++d) {
+    cuda->exchangeStream(cuda->getStreamFromGlobalPool(c10::Device(c10::DeviceType::CUDA, d)));
+  }
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -65,6 +116,7 @@ OffloadEngine::~OffloadEngine() {
 bool OffloadEngine::on_worker() { return t_on_worker; }
 
 void OffloadEngine::wrap(EngineJob& job) {
+  job.ready = record_ready_events(job.touched);
   auto tls = std::make_shared<at::ThreadLocalState>();
   auto body = std::move(job.run);
   const char* name = job.name;
@@ -114,6 +166,7 @@ uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHo
 
 void OffloadEngine::worker_loop() {
   t_on_worker = true;
+  use_side_streams();
   for (;;) {
     std::pair<uint64_t, EngineJob> item;
     {
@@ -123,10 +176,16 @@ void OffloadEngine::worker_loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
     }
-    const auto t0 = std::chrono::steady_clock::now();
     std::exception_ptr err;
     try {
-      item.second.run();
+      // GPU work the job depends on (not counted as optimizer time: the GPU's, not ours).
+      for (const auto& e : item.second.ready) e->synchronize();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      if (!err) item.second.run();
     } catch (...) {
       err = std::current_exception();
     }

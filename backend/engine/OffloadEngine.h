@@ -15,6 +15,9 @@
 //    hold that ends, are released by the next submit/wait/synchronize on a caller's thread.
 //    A job body that replaces a tensor it was given (a snapshot replacing a gradient) keeps
 //    the original in the job's `keep`.
+//  - CUDA executor: a job runs after the GPU work its submitting thread had queued when it
+//    was submitted (an event per device), not after work queued since; the worker's own GPU
+//    copies run on side streams (Note [Engine jobs and GPU streams]).
 //  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize.
 //  - fork() (Note [Fork] in register/Fork.cpp): prepare_fork() waits until every queued job
 //    has run and keeps the engine locked until after_fork(); a child starts with no job in
@@ -23,6 +26,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/StorageImpl.h>
 
 #include <atomic>
@@ -45,6 +49,9 @@ struct EngineJob {
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> touched;  // pending until it has run
   std::function<void()> run;                 // runs on the worker
   std::vector<at::Tensor> keep;              // kept alive until released on a caller's thread
+  // CUDA executor: recorded at submit() on the submitting thread's streams; the worker waits
+  // for them before the job (Note [Engine jobs and GPU streams]).
+  std::vector<std::shared_ptr<c10::Event>> ready;
 };
 
 // Rollback of speculative storages, triggered by a reader (see hold()).

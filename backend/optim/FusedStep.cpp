@@ -203,6 +203,10 @@ void* at_offset_dtype(void* base, ops::DType d, int64_t i) {
 // read those bytes directly, so the devices of the parameters are synchronised first.
 void wait_for_executor(const std::vector<at::Tensor>& params) {
   if (executor() != Executor::kCuda) return;
+  // The engine's worker waited for the GPU work queued before the job was submitted; a device
+  // synchronize here would also wait for what was queued since (Note [Engine jobs and GPU
+  // streams] in engine/OffloadEngine.cpp).
+  if (OffloadEngine::on_worker()) return;
   std::vector<bool> done(static_cast<size_t>(device_count()), false);
   for (const at::Tensor& p : params) {
     if (p.device().type() != c10::DeviceType::PrivateUse1 || done[p.device().index()]) continue;
