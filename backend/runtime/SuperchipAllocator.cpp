@@ -67,6 +67,31 @@ const c10::impl::DeviceGuardImplInterface* superchip_guard() {
   return c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
 }
 
+// Note [Host blocks and GPU readers]
+// Under the CUDA executor, kernels read and write host-tier blocks in place (pinned and mapped):
+// spilled activations, host weights read in place, optimizer state. A tensor may die while a
+// kernel queued on it has not run; an hbm block can go back to the pool at once (its next user
+// queues behind on the same stream, as in CUDA's caching allocator), but a host block's next
+// user may write it from the CPU (the optimizer) or from another stream (the engine's worker),
+// under the kernel's feet. So a host block freed under the CUDA executor counts as used by the
+// freeing thread's current stream of its device (Note [record_stream]): it is reused once that
+// stream has passed the free. Found by review; not yet run on a GPU.
+void note_host_block_use(void* ptr, std::vector<c10::Stream>& streams) noexcept {
+  if (executor() != Executor::kCuda) return;
+  MemoryManager* m = owner_of(ptr);
+  if (m == nullptr || m->tier_of(ptr) != Tier::kHost) return;
+  try {
+    const auto device = static_cast<c10::DeviceIndex>(m->config().device_index);
+    const c10::Stream cur = superchip_guard()->getStream(c10::Device(c10::DeviceType::PrivateUse1, device));
+    for (const c10::Stream& s : streams) {
+      if (s == cur) return;
+    }
+    streams.push_back(cur);
+  } catch (...) {
+    // No stream to order with (CUDA shutting down): freed at once, as before.
+  }
+}
+
 void block_delete(void* ptr) noexcept {
   if (ptr == nullptr) return;
   StreamUses& u = stream_uses();
@@ -79,6 +104,7 @@ void block_delete(void* ptr) noexcept {
       u.recorded.erase(it);
     }
   }
+  note_host_block_use(ptr, streams);
   if (streams.empty()) {
     free_block_now(ptr);
     return;
@@ -131,6 +157,28 @@ void retire_pending_frees() noexcept {
     for (auto& [event, device] : p.events) superchip_guard()->destroyEvent(event, device);
     free_block_now(p.ptr);
   }
+}
+
+// Out of a tier: blocks waiting for their streams may be what is missing. Waits for every
+// pending free's events, then frees them; whether any block was freed.
+bool drain_pending_frees() noexcept {
+  StreamUses& u = stream_uses();
+  std::vector<PendingFree> all;
+  {
+    std::lock_guard<std::mutex> g(u.mutex);
+    all.swap(u.pending);
+  }
+  for (PendingFree& p : all) {
+    for (auto& [event, device] : p.events) {
+      try {
+        superchip_guard()->synchronizeEvent(event);
+      } catch (...) {
+      }
+      superchip_guard()->destroyEvent(event, device);
+    }
+    free_block_now(p.ptr);
+  }
+  return !all.empty();
 }
 
 // ---- adopted DataPtrs: an executor kernel's output, accounted as external hbm bytes ----
@@ -236,7 +284,12 @@ c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device)
   try {
     p = m.allocate(nbytes, tier);
   } catch (const OutOfTierMemory& e) {
-    rethrow_as_torch_oom(e);
+    if (!drain_pending_frees()) rethrow_as_torch_oom(e);
+    try {
+      p = m.allocate(nbytes, tier);
+    } catch (const OutOfTierMemory& again) {
+      rethrow_as_torch_oom(again);
+    }
   }
   return {p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
 }
@@ -247,7 +300,12 @@ c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_
   try {
     placed = m.allocate_placed(nbytes, hbm_limit);
   } catch (const OutOfTierMemory& e) {
-    rethrow_as_torch_oom(e);
+    if (!drain_pending_frees()) rethrow_as_torch_oom(e);
+    try {
+      placed = m.allocate_placed(nbytes, hbm_limit);
+    } catch (const OutOfTierMemory& again) {
+      rethrow_as_torch_oom(again);
+    }
   }
   return {placed.ptr, placed.ptr, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
 }

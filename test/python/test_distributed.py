@@ -22,6 +22,7 @@ import torch.distributed as dist
 import superchip
 
 from dist_checks import GROUPS
+from helpers import run_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -136,6 +137,35 @@ def test_record_stream_defers_reuse(clean_memory):
     del others, again
     with pytest.raises(RuntimeError, match="superchip stream"):
         torch.ones(2, device="superchip").record_stream(torch.Stream(device="cpu"))
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu",
+                    reason="holds an emulated stream busy (_hold_emulated_stream)")
+def test_blocks_waiting_for_a_stream_are_freed_before_out_of_memory():
+    # A block freed while a stream still uses it waits for that stream (record_stream; under
+    # the CUDA executor every freed host block, Note [Host blocks and GPU readers]). When both
+    # tiers are full but for such blocks, the allocator waits for their streams and frees them
+    # instead of failing (before: out of memory, both tiers named). The emulated wait returns at
+    # once.
+    code = """
+import torch, superchip
+side = torch.superchip.Stream()
+n = 768 * 1024 // 4
+t = torch.empty(n, device="superchip")
+assert superchip.tier_of(t) == "hbm"
+t.record_stream(side)
+superchip._C._hold_emulated_stream(0, side.stream_id, True)
+del t
+assert superchip._C._pending_stream_frees() == 1
+u = torch.empty(n, device="superchip")  # hbm holds the waiting block: host
+assert superchip.tier_of(u) == "host", superchip.tier_of(u)
+v = torch.empty(n, device="superchip")  # both tiers full but for the waiting block
+assert superchip.tier_of(v) == "hbm" and superchip._C._pending_stream_frees() == 0
+superchip._C._hold_emulated_stream(0, side.stream_id, False)
+print("OK")
+"""
+    r = run_python(code, env={"SUPERCHIP_HBM_BYTES": "1M", "SUPERCHIP_HOST_BYTES": "1M"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.skipif(superchip.executor() != "cuda", reason="a real side-stream kernel (torch.cuda._sleep)")
