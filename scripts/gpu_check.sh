@@ -107,6 +107,8 @@ for what, f in (("empty superchip:1", lambda: torch.empty(1, device="superchip:1
         print(what, "did not raise", flush=True)
     except RuntimeError as e:
         print(what, "raised:", str(e).splitlines()[0][:200], flush=True)'
+  # The same under the CPU executor first: a crash there too is torch 2.11's, not the CUDA path's.
+  run diag-cpu-executor env SUPERCHIP_EXECUTOR=cpu $PY -X faulthandler -c "$code"
   run diag $PY -X faulthandler -c "$code"
   if [[ $last_rc -ge 128 ]] && command -v cuda-gdb >/dev/null; then
     run diag-gdb cuda-gdb -batch -ex run -ex bt -ex 'info threads' --args $PY -c "$code"
