@@ -2,13 +2,11 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
 #include <new>
 
-#include "backend/runtime/Runtime.h"
 
 // Note [Pending storages]
 // The optimizer step behaves like a kernel launch: step() queues jobs and returns, and an
@@ -52,43 +50,13 @@
 // The worker's own GPU work (gradient snapshots, staging copies, write-backs) runs on pool
 // streams, one per device, set as its current streams: synchronous copies there wait for
 // nothing but themselves. Not yet run on a GPU: the exactness tests under the CUDA executor
-// check it.
+// check it. The two functions live in engine/GpuOrder.cpp (they need the runtime); the backend
+// installs them with set_gpu_order().
 
 namespace superchip {
 namespace {
 
 thread_local bool t_on_worker = false;
-
-// Events on the calling thread's current CUDA stream of each device `touched` lives on.
-std::vector<std::shared_ptr<c10::Event>> record_ready_events(
-    const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched) {
-  std::vector<std::shared_ptr<c10::Event>> events;
-  if (executor() != Executor::kCuda) return events;
-  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  std::vector<c10::DeviceIndex> devices;
-  for (const auto& s : touched) {
-    if (s->device().type() != c10::DeviceType::PrivateUse1) continue;
-    const c10::DeviceIndex d = s->device().index();
-    bool seen = false;
-    for (c10::DeviceIndex x : devices) seen |= x == d;
-    if (seen) continue;
-    devices.push_back(d);
-    auto e = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-    e->record(cuda->getStream(c10::Device(c10::DeviceType::CUDA, d)));
-    events.push_back(std::move(e));
-  }
-  return events;
-}
-
-// The worker's current CUDA stream on every device: a pool stream, not the default stream the
-// training thread queues on.
-void use_side_streams() {
-  if (executor() != Executor::kCuda) return;
-  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  for (c10::DeviceIndex d = 0; d < device_count(); ++d) {
-    cuda->exchangeStream(cuda->getStreamFromGlobalPool(c10::Device(c10::DeviceType::CUDA, d)));
-  }
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -116,7 +84,7 @@ OffloadEngine::~OffloadEngine() {
 bool OffloadEngine::on_worker() { return t_on_worker; }
 
 void OffloadEngine::wrap(EngineJob& job) {
-  job.ready = record_ready_events(job.touched);
+  if (ReadyEvents ready = ready_events_.load(std::memory_order_acquire)) job.ready = ready(job.touched);
   auto tls = std::make_shared<at::ThreadLocalState>();
   auto body = std::move(job.run);
   const char* name = job.name;
@@ -166,7 +134,7 @@ uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHo
 
 void OffloadEngine::worker_loop() {
   t_on_worker = true;
-  use_side_streams();
+  if (WorkerStart start = worker_start_.load(std::memory_order_acquire)) start();
   for (;;) {
     std::pair<uint64_t, EngineJob> item;
     {
@@ -322,6 +290,11 @@ void OffloadEngine::after_fork(bool child) {
 }
 
 void OffloadEngine::set_written_hook(WrittenHook hook) { written_hook_.store(hook, std::memory_order_release); }
+
+void OffloadEngine::set_gpu_order(ReadyEvents ready, WorkerStart worker_start) {
+  ready_events_.store(ready, std::memory_order_release);
+  worker_start_.store(worker_start, std::memory_order_release);
+}
 
 bool OffloadEngine::is_pending(const c10::StorageImpl* s) {
   if (active_.load(std::memory_order_acquire) == 0) return false;

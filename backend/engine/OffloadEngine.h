@@ -87,6 +87,14 @@ class OffloadEngine {
   // (the weight streamer drops its staged copies of them). noexcept; nullptr: none.
   using WrittenHook = void (*)(const c10::StorageImpl*) noexcept;
   void set_written_hook(WrittenHook hook);
+  // GPU ordering (Note [Engine jobs and GPU streams]), installed by the backend
+  // (engine/GpuOrder.cpp; the engine's own tests run without): `ready` returns the events a job
+  // touching those storages waits for, recorded on the submitting thread; `worker_start` runs
+  // first on the worker thread. nullptr: none.
+  using ReadyEvents = std::vector<std::shared_ptr<c10::Event>> (*)(
+      const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched);
+  using WorkerStart = void (*)();
+  void set_gpu_order(ReadyEvents ready, WorkerStart worker_start);
   // Whether a queued job or a hold covers `s` now (the weight streamer's prefetch skips it).
   bool is_pending(const c10::StorageImpl* s);
   // Marks `storages` speculative until submit_replacing_hold() ends the hold; a reader first
@@ -113,7 +121,7 @@ class OffloadEngine {
   void worker_loop();
   uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped; starts the worker
   void drop_hold_locked(const SpeculationHold* hold);
-  static void wrap(EngineJob& job);
+  void wrap(EngineJob& job);  // on the submitting thread: its ThreadLocalState and ready events
   void finish(EngineJob& job, double seconds);
 
   struct Entry {
@@ -137,6 +145,8 @@ class OffloadEngine {
   std::atomic<int64_t> active_{0};      // pending entries: the fast path reads only this
   std::atomic<bool> has_finished_{false};
   std::atomic<WrittenHook> written_hook_{nullptr};
+  std::atomic<ReadyEvents> ready_events_{nullptr};
+  std::atomic<WorkerStart> worker_start_{nullptr};
   std::thread worker_;  // started by the first job (again in a forked child)
 };
 
