@@ -447,6 +447,14 @@ at::Tensor executor_alias(const at::Tensor& t, Access access) {
   return one.alias(t, access);
 }
 
+void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src) {
+  AliasSet aliases;  // one set: a source over dst's storage is seen as such
+  const auto superchip = [](const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; };
+  const at::Tensor s = superchip(src) ? aliases.alias(src, Access::kRead) : src;
+  at::Tensor d = superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
+  d.copy_(s);
+}
+
 at::Tensor retag_result(const at::Tensor& r, c10::DeviceIndex device) {
   if (c10::StorageImpl* base = aliased_superchip_storage(r.storage())) {
     return superchip_tensor(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(base)), r);

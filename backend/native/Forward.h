@@ -53,6 +53,11 @@ class AliasSet {
 // A one-operand AliasSet. kWrite (the default) is always safe; pass kRead for operands the
 // executor only reads, so a lazily cloned storage is not copied.
 at::Tensor executor_alias(const at::Tensor& t, Access access = Access::kWrite);
+// Copies `src` into `dst` (each superchip, executor or cpu) through executor aliases, in the
+// current stream's order: the backend's own copies (optimizer state, staged write-backs), not a
+// user's copy_. No weight placement or marks (copy_from's, Note [Batches while streaming] in
+// native/Native.cpp), no version bump on dst (Note [Kernel results keep the version]).
+void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src);
 // A superchip tensor for executor result `r`: shares the superchip storage when `r` views an
 // alias, otherwise adopts r's memory into superchip:device (accounted in hbm). A zero tensor
 // (torch._efficientzerotensor) stays one and owns no memory.

@@ -60,11 +60,7 @@ void wait_pending(const at::Tensor& t) {
 // SUPERCHIP_STAGE_HBM_OPERANDS=1 and a small hbm budget). So the bytes are written through the
 // parameter's executor alias: same bytes, same stream order, no placement, no mark, and the
 // superchip tensor's version counter untouched, as the direct write leaves it.
-void write_back_bytes(const at::Tensor& dst, const at::Tensor& src) {
-  AliasSet aliases;  // one set: a source over dst's storage is seen as such
-  const at::Tensor s = src.device().type() == c10::DeviceType::PrivateUse1 ? aliases.alias(src, Access::kRead) : src;
-  aliases.alias(dst, Access::kWrite).copy_(s);
-}
+void write_back_bytes(const at::Tensor& dst, const at::Tensor& src) { copy_through_aliases(dst, src); }
 
 // Note [Staging hbm operands without a GPU]
 // Under the CUDA executor the CPU kernels cannot address hbm, so a step stages hbm operands

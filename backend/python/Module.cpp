@@ -10,6 +10,7 @@
 
 #include "allocator/Topology.h"
 #include "backend/distributed/ProcessGroupSccl.h"
+#include "backend/native/Forward.h"
 #include "backend/optim/FusedStep.h"
 #include "ops/cpu/Bandwidth.h"
 #include "backend/register/Registration.h"
@@ -80,7 +81,7 @@ at::Tensor fp32_in_tier(const at::Tensor& like, const std::string& tier, bool co
   impl->set_sizes_contiguous(like.sizes());
   at::Tensor t(std::move(impl));
   if (copy_values) {
-    t.copy_(like);
+    copy_through_aliases(t, like);  // optimizer state: not a weight (copy_from would place it)
   } else {
     t.zero_();
   }
@@ -137,6 +138,14 @@ PYBIND11_MODULE(_C, m) {
     c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->synchronizeDevice(index);
   });
   m.def("_fp32_in_tier", &fp32_in_tier, py::arg("like"), py::arg("tier"), py::arg("copy_values"));
+  // Optimizer state filled from a parameter or a checkpoint: the backend's copy, not a user's
+  // copy_ (no weight placement or marks).
+  m.def("_copy_into_state", [](const at::Tensor& state, const at::Tensor& values) {
+    check_superchip(state, "superchip._C._copy_into_state");
+    TORCH_CHECK(state.sizes() == values.sizes(), "superchip._C._copy_into_state: shapes differ (",
+                state.sizes(), " vs ", values.sizes(), ").");
+    copy_through_aliases(state, values);
+  }, py::arg("state"), py::arg("values"));
   m.def("_adam_step",
         [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
            std::vector<std::optional<at::Tensor>> masters, std::vector<at::Tensor> exp_avgs,

@@ -279,8 +279,7 @@ class Engine:
         if cur:
             self.buckets.append(cur)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.tail = self._choose_tail()
-        self.opt._engine_place_state(self.buckets, self.tail)
+        self.tail = self.opt._engine_place_state(self.buckets, self._choose_tail())
         self.specs = {}
         self.probe_bucket = None
 
@@ -296,9 +295,20 @@ class Engine:
             return min(int(self.tail_arg), len(self.buckets))
         # Cost model: a tail bucket is stepped by the executor instead of the CPU. With the CPU
         # executor both are the same cores, so inline stepping only adds to the critical path.
-        if _C._executor() == "cpu":
+        if _C._executor() == "cpu" or not self.buckets:
             return 0
-        return min(1, len(self.buckets))
+        # One tail bucket where hbm has room for its state beside the step's measured peak
+        # (weights, activations, gradients; with weights streamed the peak is near the budget,
+        # and a tail there would only push the next pass's activations out of hbm). At most
+        # 16 B per parameter: fp32 master, two moments, amsgrad's max.
+        from . import memory_stats
+
+        stats = memory_stats(self.buckets[0][0].device)
+        if stats["hbm.capacity_bytes"] == 0:  # no budget set: the device's own memory decides
+            return 1
+        room = stats["hbm.capacity_bytes"] - stats["hbm.peak_allocated_bytes"]
+        need = 16 * sum(p.numel() for p in self.buckets[0])
+        return 1 if need <= room else 0
 
     # ---- outside step() ----
 

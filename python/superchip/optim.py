@@ -56,9 +56,17 @@ def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None, tier: str
         local = None if values is None else _dist.local_values(p, values.detach())
         return _dist.state_like(p, _state_tensor(p.to_local(), local, tier))
     if p.device.type == "superchip":
-        t = _C._fp32_in_tier(p.detach(), tier, False)
+        try:
+            t = _C._fp32_in_tier(p.detach(), tier, False)
+        except torch.OutOfMemoryError:
+            if tier != "hbm":
+                raise
+            # A tail bucket's state where hbm has no room left: host (the executor's kernel
+            # reads it there too, pinned and mapped), instead of failing the step.
+            t = _C._fp32_in_tier(p.detach(), "host", False)
         if values is not None:
-            t.copy_(values.detach().reshape(p.shape))
+            # The backend's copy, not copy_: optimizer state is no weight to place or stream.
+            _C._copy_into_state(t, values.detach().reshape(p.shape))
         return t
     if values is None:
         return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -174,16 +182,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return [self._group_args(self.param_groups[gi], ps, step_increment)
                 for gi, ps in sorted(by_group.items())]
 
-    def _engine_place_state(self, buckets, tail: int) -> None:
-        """Tail buckets keep their state in hbm (stepped by the executor), the rest in host."""
+    def _engine_place_state(self, buckets, tail: int) -> int:
+        """Tail buckets keep their state in hbm (stepped by the executor), the rest in host.
+        Returns the tail kept: where hbm cannot hold a tail bucket's existing state, that
+        bucket and the later ones are not tail buckets (their state goes back to host)."""
         from . import move_to_tier, tier_of
-        for b, bucket in enumerate(buckets):
-            tier = "hbm" if b < tail else "host"
+
+        def place(bucket, tier):
             for p in bucket:
                 self._state_tiers[p] = tier
                 for v in self.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor) and v.device.type == "superchip" and tier_of(v) != tier:
                         move_to_tier(v, tier)
+
+        for b, bucket in enumerate(buckets):
+            if b < tail:
+                try:
+                    place(bucket, "hbm")
+                    continue
+                except torch.OutOfMemoryError:
+                    tail = b
+            place(bucket, "host")
+        return tail
 
     def _cast_grads_fp32(self) -> bool:
         return link_model()["cast_on"] == "executor"
