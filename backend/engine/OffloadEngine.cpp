@@ -134,7 +134,13 @@ uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHo
 
 void OffloadEngine::worker_loop() {
   t_on_worker = true;
-  if (WorkerStart start = worker_start_.load(std::memory_order_acquire)) start();
+  if (WorkerStart start = worker_start_.load(std::memory_order_acquire)) {
+    try {
+      start();
+    } catch (...) {
+      // No side stream: the worker's copies queue on the default stream, later but still in order.
+    }
+  }
   for (;;) {
     std::pair<uint64_t, EngineJob> item;
     {

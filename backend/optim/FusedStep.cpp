@@ -58,9 +58,8 @@ void wait_pending(const at::Tensor& t) {
 // native/Native.cpp) and placed the parameter in host when hbm was past its weights limit, from
 // the engine's worker, while the next forward ran (found by review, then reproduced with
 // SUPERCHIP_STAGE_HBM_OPERANDS=1 and a small hbm budget). So the bytes are written through the
-// parameter's executor alias: same bytes, same stream order, no placement, no mark, and the
-// superchip tensor's version counter untouched, as the direct write leaves it.
-void write_back_bytes(const at::Tensor& dst, const at::Tensor& src) { copy_through_aliases(dst, src); }
+// parameter's executor alias (copy_through_aliases): same bytes, same stream order, no placement,
+// no mark, and the superchip tensor's version counter untouched, as the direct write leaves it.
 
 // Note [Staging hbm operands without a GPU]
 // Under the CUDA executor the CPU kernels cannot address hbm, so a step stages hbm operands
@@ -112,7 +111,7 @@ class HostOperand {
   }
   void* data() const { return host_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) write_back_bytes(original_, host_);
+    if (staged_ && written_) copy_through_aliases(original_, host_);
     // The kernel wrote the bytes directly: a staged copy of this weight is stale.
     if (written_ && original_.device().type() == c10::DeviceType::PrivateUse1) {
       WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
@@ -144,7 +143,7 @@ class ExecutorOperand {
   }
   void* data() const { return exec_.data_ptr(); }
   void write_back() {
-    if (staged_ && written_) write_back_bytes(original_, exec_);
+    if (staged_ && written_) copy_through_aliases(original_, exec_);
     if (written_) WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
   }
 
