@@ -126,7 +126,7 @@ for phase in "$@"; do
     bench-dispatch) phase_bench dispatch dispatch.py --json "$OUT/dispatch-gpu.json" ;;
     bench-optim) phase_bench optim optim.py --json "$OUT/optim-gpu.json" ;;
     bench-offload) phase_bench offload offload.py --out "$OUT/offload-gpu.txt" ;;
-    bench-offload-gpu) phase_bench offload-gpu offload_gpu.py --out "$OUT/offload-gpu-llama.txt" ;;
+    bench-offload-gpu) phase_bench offload-gpu offload_gpu.py --timeout 180 --out "$OUT/offload-gpu-llama.txt" ;;
     diag) phase_diag ;;
     bench-weights) phase_bench weights weights_gpu.py --out "$OUT/weights-gpu.txt" ;;
     bench-compile) phase_bench compile compile.py --json "$OUT/compile-gpu.json" ;;
