@@ -24,7 +24,6 @@ Not a test; every figure is a ratio to a baseline measured in the same run.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -40,24 +39,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "bench"))
 from data import CharTokenizer, TEXT, get_batch  # noqa: E402
-from dispatch import interleaved_samples, machine_info, synchronize  # noqa: E402
+from dispatch import interleaved_samples, machine_info  # noqa: E402
+import step_case  # noqa: E402
 from step_case import CudaWorker  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 
 # ---- (a) training step ------------------------------------------------------------------------
 
-class StepCase:
-    """A model (compiled or not), its AdamW and a batch stream on one device."""
+class StepCase(step_case.StepCase):
+    """bench/step_case.py's case (compiled or not), timed by wall clock only, with the halves
+    (b) counts the ops of."""
 
     def __init__(self, model: GPT, device: str, compiled: bool, data: torch.Tensor, batch: int,
                  steps: int):
-        self.device = device
-        self.model = copy.deepcopy(model).to(device)
-        self.fn = torch.compile(self.model) if compiled else self.model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.data, self.batch, self.steps = data, batch, steps
-        self.gen = torch.Generator().manual_seed(0)
+        super().__init__(model, device, data, batch, steps, compiled=compiled)
 
     def batch_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = get_batch(self.data, self.batch, self.model.cfg.seq_len, self.gen)
@@ -69,19 +65,9 @@ class StepCase:
         loss.backward()
         return loss
 
-    def step(self) -> None:
-        loss = self.forward_backward(*self.batch_on_device())
-        self.opt.step()
-        loss.item()
-
     def __call__(self) -> float:
         """Wall-clock seconds per step."""
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        for _ in range(self.steps):
-            self.step()
-        synchronize(self.device)
-        return (time.perf_counter() - t0) / self.steps
+        return super().__call__()[0]
 
 
 class WallClock:
