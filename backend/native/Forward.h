@@ -19,9 +19,10 @@ namespace superchip {
 // How an executor kernel uses an operand. kWrite materializes a copy-on-write storage
 // (torch._lazy_clone) before aliasing it; kRead leaves it shared. kReadRows is a read of a few
 // rows (embedding, index_select): a weight in host is read in place, never staged whole
-// (Note [Row reads] in stream/WeightStreamer.cpp). kCopySource is a weight copied whole into a
-// new weight (Note [Copies of weights read in place] in native/Native.cpp): read in place, not
-// staged, not recorded.
+// (Note [Row reads] in stream/WeightStreamer.cpp). kCopySource is the source of a copy that is
+// no use of a weight: a weight copied whole into a new one, or a copy out of the device (Note
+// [Copies of weights read in place] in native/Native.cpp): read in place, not staged, not
+// recorded.
 enum class Access { kRead, kWrite, kReadRows, kCopySource };
 
 // Aliases for one executor call. Operands over one superchip storage share one executor

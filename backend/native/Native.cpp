@@ -173,7 +173,10 @@ at::Tensor& set_empty(at::Tensor& self) {
 // the first pass: a meta-initialised model's to_empty parameters filled by p.copy_(w) from
 // weights put on the device, or model.bfloat16() on the device. Recorded, the first of them
 // began the recording, so the model's own parameters, marked after it, were young (Note
-// [Inputs are not weights]): the first plan came from a broken trace and was redone. Other
+// [Inputs are not weights]): the first plan came from a broken trace and was redone. The same
+// holds for a copy out of the device (.cpu(), a state_dict or checkpoint save mid-training): it
+// reads each byte once, so staging a host weight through hbm first moved it twice (22 staged
+// copies for one save of the streamed test Llama), and the read is no use of the weight. Other
 // copies read through the streamer as any operator does: autocast's per-pass casts are the
 // forward's reads of its fp32 weights.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
@@ -203,10 +206,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     }
   }
   // One AliasSet: a source overlapping the destination is seen as on CPU. A weight copied
-  // whole into a new weight is read in place (Note [Copies of weights read in place]).
+  // whole into a new weight, and anything copied out of the device, is read in place (Note
+  // [Copies of weights read in place]).
   AliasSet aliases;
+  const bool read_in_place = copy_of_weight || (is_superchip(self) && !is_superchip(dst));
   at::Tensor src_x =
-      is_superchip(self) ? aliases.alias(self, copy_of_weight ? Access::kCopySource : Access::kRead) : self;
+      is_superchip(self) ? aliases.alias(self, read_in_place ? Access::kCopySource : Access::kRead) : self;
   at::Tensor dst_x = is_superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
   const bool crosses_link = executor() == Executor::kCuda && src_x.device() != dst_x.device();
   if (crosses_link && src_x.scalar_type() != dst_x.scalar_type()) {
