@@ -3,7 +3,7 @@
 # build, the C++ suites with the CUDA kernels, pytest with the CUDA executor and the GPU
 # benchmarks. Runs the phases named on the command line, in order, each into one log:
 #
-#   bash scripts/gpu_check.sh build diag cpp pytest       # one device call (build 48 s on an H100 machine)
+#   bash scripts/gpu_check.sh build diag demo cpp pytest  # one device call (build 48 s on an H100 machine)
 #   bash scripts/gpu_check.sh build pytest-sweeps
 #   bash scripts/gpu_check.sh build bench-offload-gpu bench-compile   # issues 6 and 9
 #   bash scripts/gpu_check.sh build bench-weights                     # issue 7 (a ~21B model)
@@ -13,7 +13,7 @@
 # found and fixed is in bench/results/gpu-check-h100.md.
 #
 # Phases: build (incremental; needs torch with CUDA, nvcc, CMake), diag (the crash below),
-# cpp (ops_cuda_tests,
+# demo (the README's main job, `make demo`'s script, 300 steps), cpp (ops_cuda_tests,
 # ops_tests, allocator_tests, engine_tests), pytest-core (engine, optimizer and weight
 # streaming files), pytest (test/python but the sweeps), pytest-sweeps, bench-dispatch, bench-optim, bench-offload,
 # bench-weights (bench/weights_gpu.py), bench-offload-gpu (bench/offload_gpu.py: a 1.3B Llama,
@@ -128,6 +128,7 @@ for phase in "$@"; do
     bench-offload) phase_bench offload offload.py --out "$OUT/offload-gpu.txt" ;;
     bench-offload-gpu) phase_bench offload-gpu offload_gpu.py --timeout 180 --out "$OUT/offload-gpu-llama.txt" ;;
     diag) phase_diag ;;
+    demo) run demo timeout 240 $PY examples/demo.py ;;
     bench-weights) phase_bench weights weights_gpu.py --out "$OUT/weights-gpu.txt" ;;
     bench-compile) phase_bench compile compile.py --json "$OUT/compile-gpu.json" ;;
     *) log "unknown phase '$phase'"; status=2 ;;

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -47,15 +49,43 @@ void free_block_now(void* ptr) noexcept {
 // waits in `pending` until every event has completed; allocate() and empty_cache() retire the
 // completed ones. So a block is never handed out again while a stream that used it may still
 // run. Invariant: a pointer is in at most one of `recorded` (live) and `pending` (dead).
+struct StreamEvent {
+  void* event;
+  c10::DeviceIndex device;
+  c10::StreamId stream;
+};
+
 struct PendingFree {
   void* ptr;
-  std::vector<std::pair<void*, c10::DeviceIndex>> events;  // (event, device)
+  std::vector<StreamEvent> events;
+};
+
+// Note [Blocks and the streams that allocate them]
+// CUDA's caching allocator gives a freed block only to allocations on the stream that
+// allocated it (its work on the block is then ahead in stream order); superchip's tiers are
+// one pool for all streams. While every block comes from one stream that is the same thing,
+// so that case stays free of events. From the first allocation on a second stream of a device
+// (FSDP2's all-gather and reduce-scatter streams, a user's side stream, the engine's workers)
+// each block remembers the stream that allocated it (`allocated_on`; none: the first stream),
+// and a dead block waits in `pending` for an event on that stream, as a recorded one does
+// (Note [record_stream]): a block is never handed to another stream while the kernels of the
+// stream it was allocated on may still use it. Blocks freed before the switch went back to
+// the pool at once; the switch synchronizes the first stream, once, so none of them is still
+// in use either. Streams never switch back (a process that used two streams likely will again).
+constexpr size_t kTrackedDevices = 64;  // Runtime's most devices
+
+struct DeviceStreams {
+  std::atomic<bool> known{false};  // some block was allocated on the device (set once)
+  std::atomic<c10::StreamId> first{0};
+  std::atomic<bool> multi{false};
 };
 
 struct StreamUses {
   std::mutex mutex;
   std::unordered_map<void*, std::vector<c10::Stream>> recorded;
   std::vector<PendingFree> pending;
+  std::array<DeviceStreams, kTrackedDevices> devices;
+  std::unordered_map<void*, c10::Stream> allocated_on;  // multi-stream devices, streams but the first
 };
 
 StreamUses& stream_uses() {
@@ -92,6 +122,62 @@ void note_host_block_use(void* ptr, std::vector<c10::Stream>& streams) noexcept 
   }
 }
 
+// A new block of `device`: on a second stream of the device, the switch to stream-ordered
+// reuse (Note [Blocks and the streams that allocate them]). Never throws: without a stream
+// to ask (CUDA shutting down) the block is taken for the first stream's.
+void note_allocation(void* ptr, c10::DeviceIndex device) noexcept {
+  if (ptr == nullptr || device < 0 || device >= c10::DeviceIndex(kTrackedDevices)) return;
+  StreamUses& u = stream_uses();
+  DeviceStreams& d = u.devices[static_cast<size_t>(device)];
+  try {
+    const c10::Stream cur = superchip_guard()->getStream(c10::Device(c10::DeviceType::PrivateUse1, device));
+    if (d.known.load(std::memory_order_acquire) && cur.id() == d.first.load(std::memory_order_relaxed)) {
+      return;  // the common case: one stream, no lock
+    }
+    std::unique_lock<std::mutex> g(u.mutex);
+    if (!d.known.load(std::memory_order_relaxed)) {
+      d.first.store(cur.id(), std::memory_order_relaxed);
+      d.known.store(true, std::memory_order_release);
+      return;
+    }
+    if (cur.id() == d.first.load(std::memory_order_relaxed)) return;
+    u.allocated_on.insert_or_assign(ptr, cur);
+    if (d.multi.load(std::memory_order_relaxed)) return;
+    d.multi.store(true, std::memory_order_release);
+    const c10::Stream first(c10::Stream::UNSAFE, cur.device(), d.first.load(std::memory_order_relaxed));
+    g.unlock();
+    // Blocks the first stream freed to the pool may still be in its queued kernels' hands,
+    // this one among them: it goes to the caller, and so to its stream, only after them.
+    superchip_guard()->synchronizeStream(first);
+  } catch (...) {
+  }
+}
+
+// The stream that allocated a block of a multi-stream device, added to `streams`.
+void note_allocating_stream(void* ptr, std::vector<c10::Stream>& streams) noexcept {
+  MemoryManager* m = owner_of(ptr);
+  if (m == nullptr) return;
+  const auto device = static_cast<c10::DeviceIndex>(m->config().device_index);
+  if (device < 0 || device >= c10::DeviceIndex(kTrackedDevices)) return;
+  StreamUses& u = stream_uses();
+  DeviceStreams& d = u.devices[static_cast<size_t>(device)];
+  if (!d.multi.load(std::memory_order_acquire)) return;
+  c10::Stream s(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, device),
+                d.first.load(std::memory_order_relaxed));
+  {
+    std::lock_guard<std::mutex> g(u.mutex);
+    auto it = u.allocated_on.find(ptr);
+    if (it != u.allocated_on.end()) {
+      s = it->second;
+      u.allocated_on.erase(it);
+    }
+  }
+  for (const c10::Stream& t : streams) {
+    if (t == s) return;
+  }
+  streams.push_back(s);
+}
+
 void block_delete(void* ptr) noexcept {
   if (ptr == nullptr) return;
   StreamUses& u = stream_uses();
@@ -104,17 +190,20 @@ void block_delete(void* ptr) noexcept {
       u.recorded.erase(it);
     }
   }
+  note_allocating_stream(ptr, streams);
   note_host_block_use(ptr, streams);
   if (streams.empty()) {
     free_block_now(ptr);
     return;
   }
   PendingFree p{ptr, {}};
+  bool done = true;  // every stream already past the free (an idle GPU, the emulation)
   for (const c10::Stream& s : streams) {
     void* event = nullptr;
     try {
       superchip_guard()->record(&event, s, s.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
-      p.events.emplace_back(event, s.device_index());
+      p.events.push_back({event, s.device_index(), s.id()});
+      done = done && superchip_guard()->queryEvent(event);
     } catch (...) {
       // Without an event the order cannot be kept lazily: wait for the stream instead.
       try {
@@ -122,6 +211,11 @@ void block_delete(void* ptr) noexcept {
       } catch (...) {
       }
     }
+  }
+  if (done) {
+    for (const StreamEvent& e : p.events) superchip_guard()->destroyEvent(e.event, e.device);
+    free_block_now(ptr);
+    return;
   }
   std::lock_guard<std::mutex> g(u.mutex);
   u.pending.push_back(std::move(p));
@@ -134,15 +228,26 @@ void retire_pending_frees() noexcept {
   {
     std::lock_guard<std::mutex> g(u.mutex);
     if (u.pending.empty()) return;
+    // Events of one stream complete in the order they were recorded, which is the order of
+    // `pending` (give or take two threads freeing at once: a block retired a call later). So
+    // one incomplete event of a stream answers for the later ones: one query per stream, not
+    // one per block, however many blocks a busy GPU leaves waiting.
+    std::vector<std::pair<c10::DeviceIndex, c10::StreamId>> busy;
     auto keep = u.pending.begin();
     for (auto it = u.pending.begin(); it != u.pending.end(); ++it) {
       bool done = true;
-      for (auto& [event, device] : it->events) {
+      for (size_t k = 0; k < it->events.size() && done; ++k) {
+        const std::pair<c10::DeviceIndex, c10::StreamId> key{it->events[k].device, it->events[k].stream};
+        if (std::find(busy.begin(), busy.end(), key) != busy.end()) {
+          done = false;
+          break;
+        }
         try {
-          done = done && superchip_guard()->queryEvent(event);
+          done = superchip_guard()->queryEvent(it->events[k].event);
         } catch (...) {
           done = false;
         }
+        if (!done) busy.push_back(key);
       }
       if (done) {
         ready.push_back(std::move(*it));
@@ -154,7 +259,7 @@ void retire_pending_frees() noexcept {
     u.pending.erase(keep, u.pending.end());
   }
   for (PendingFree& p : ready) {
-    for (auto& [event, device] : p.events) superchip_guard()->destroyEvent(event, device);
+    for (const StreamEvent& e : p.events) superchip_guard()->destroyEvent(e.event, e.device);
     free_block_now(p.ptr);
   }
 }
@@ -169,16 +274,22 @@ bool drain_pending_frees() noexcept {
     all.swap(u.pending);
   }
   for (PendingFree& p : all) {
-    for (auto& [event, device] : p.events) {
+    for (const StreamEvent& e : p.events) {
       try {
-        superchip_guard()->synchronizeEvent(event);
+        superchip_guard()->synchronizeEvent(e.event);
       } catch (...) {
       }
-      superchip_guard()->destroyEvent(event, device);
+      superchip_guard()->destroyEvent(e.event, e.device);
     }
     free_block_now(p.ptr);
   }
   return !all.empty();
+}
+
+// A block's DataPtr: context == data, freed through block_delete.
+c10::DataPtr block_data_ptr(void* p, c10::DeviceIndex device) noexcept {
+  note_allocation(p, device);
+  return {p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
 }
 
 // ---- adopted DataPtrs: an executor kernel's output, accounted as external hbm bytes ----
@@ -291,7 +402,7 @@ c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device)
       rethrow_as_torch_oom(again);
     }
   }
-  return {p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+  return block_data_ptr(p, device);
 }
 
 c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_limit) {
@@ -307,7 +418,7 @@ c10::DataPtr allocate_placed(size_t nbytes, c10::DeviceIndex device, size_t hbm_
       rethrow_as_torch_oom(again);
     }
   }
-  return {placed.ptr, placed.ptr, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)};
+  return block_data_ptr(placed.ptr, device);
 }
 
 void place_incoming_weights(c10::StorageImpl& storage) {
@@ -325,8 +436,7 @@ void place_incoming_weights(c10::StorageImpl& storage) {
   } catch (const OutOfTierMemory&) {
     return;  // host is full: the weights stay in hbm
   }
-  c10::DataPtr old = storage.set_data_ptr(
-      c10::DataPtr(p, p, &block_delete, c10::Device(c10::DeviceType::PrivateUse1, device)));
+  c10::DataPtr old = storage.set_data_ptr(block_data_ptr(p, device));
 }
 
 void place_registered_weight(c10::StorageImpl& storage) {

@@ -140,6 +140,98 @@ def test_record_stream_defers_reuse(clean_memory):
 
 
 @pytest.mark.skipif(superchip.executor() != "cpu",
+                    reason="holds an emulated stream busy (_hold_emulated_stream); CUDA streams need a real kernel")
+def test_a_freed_block_waits_for_the_stream_that_allocated_it():
+    # Note [Blocks and the streams that allocate them]: superchip's tiers are one pool for all
+    # streams, where CUDA's allocator keeps a freed block for its own stream. Once a second
+    # stream allocates, a freed block waits for the stream that allocated it (before: handed to
+    # the next allocation of any stream while its stream's kernels could still use it). A
+    # fresh process: the switch is once per process.
+    code = """
+import torch, superchip
+sc = torch.superchip
+hold = superchip._C._hold_emulated_stream
+pending = superchip._C._pending_stream_frees
+ptr = lambda t: t.untyped_storage().data_ptr()
+n = 4096
+side = sc.Stream()
+base = torch.empty(n, device="superchip")   # the device's first stream: the default one
+active = superchip.memory_stats()["hbm.active_allocations"]
+
+# One stream: a freed block goes back at once, as in CUDA's allocator.
+hold(0, 0, True)
+a = torch.empty(n, device="superchip"); del a
+assert pending() == 0, pending()
+hold(0, 0, False)
+
+# A second stream allocates; a block it allocated waits for it.
+with sc.stream(side):
+    t = torch.ones(n, device="superchip")
+pt = ptr(t)
+hold(0, side.stream_id, True)                # the side stream "still runs"
+del t
+assert pending() == 1, pending()
+others = [torch.empty(n, device="superchip") for _ in range(4)]
+assert all(ptr(o) != pt for o in others), "reused while its stream runs"
+hold(0, side.stream_id, False)
+del others
+torch.empty(n, device="superchip")           # the next allocation retires it
+assert pending() == 0, pending()
+
+# The other way: the default stream's block is not handed to the side stream while it runs.
+hold(0, 0, True)
+b = torch.ones(n, device="superchip"); pb = ptr(b); del b
+assert pending() == 1, pending()
+with sc.stream(side):
+    mine = [torch.empty(n, device="superchip") for _ in range(4)]
+assert all(ptr(m) != pb for m in mine), "handed to another stream while its stream runs"
+del mine
+
+# Many blocks waiting on one busy stream, then all of them retired by one allocation.
+waiting = [torch.empty(n, device="superchip") for _ in range(200)]
+del waiting
+assert pending() == 201, pending()
+hold(0, 0, False)
+torch.empty(n, device="superchip")
+assert pending() == 0, pending()
+assert superchip.memory_stats()["hbm.active_allocations"] == active, superchip.memory_stats()
+print("OK")
+"""
+    r = run_python(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.skipif(superchip.executor() != "cuda", reason="a real side-stream kernel (torch.cuda._sleep)")
+def test_a_freed_block_waits_for_the_gpu_stream_that_allocated_it():
+    # The CUDA form of the test above: a block of superchip's own pool (a factory's), allocated
+    # and used on a side stream that is still running, is not handed to the default stream.
+    code = """
+import torch, superchip
+sc = torch.superchip
+pending = superchip._C._pending_stream_frees
+ptr = lambda t: t.untyped_storage().data_ptr()
+n = 1 << 20
+base = torch.empty(n, device="superchip")
+side = sc.Stream()
+with sc.stream(side):
+    t = torch.empty(n, device="superchip")   # a factory: superchip's pool, not CUDA's
+    torch.cuda._sleep(int(1e9))              # the side stream "still runs" (about half a second)
+    t.fill_(1)
+pt = ptr(t)
+del t
+assert pending() == 1, pending()
+others = [torch.empty(n, device="superchip") for _ in range(4)]
+assert all(ptr(o) != pt for o in others), "reused while its stream runs"
+sc.synchronize()
+torch.empty(n, device="superchip")
+assert pending() == 0, pending()
+print("OK")
+"""
+    r = run_python(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu",
                     reason="holds an emulated stream busy (_hold_emulated_stream)")
 def test_blocks_waiting_for_a_stream_are_freed_before_out_of_memory():
     # A block freed while a stream still uses it waits for that stream (record_stream; under
