@@ -144,7 +144,7 @@ class HostBacking final : public Backing {
 
 class CudaBacking final : public Backing {
  public:
-  explicit CudaBacking(int device) : device_(device) {
+  CudaBacking(int device, void (*release_foreign)()) : device_(device), release_foreign_(release_foreign) {
     int count = 0;
     SUPERCHIP_CUDA_CHECK(cudaGetDeviceCount(&count));
     if (device < 0 || device >= count) {
@@ -159,6 +159,11 @@ class CudaBacking final : public Backing {
     DeviceScope scope(device_);
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation && release_foreign_ != nullptr) {
+      (void)cudaGetLastError();
+      release_foreign_();
+      err = cudaMalloc(&p, bytes);
+    }
     if (err == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // not sticky: clear it so the retry starts clean
       return RawBlock{};
@@ -186,6 +191,7 @@ class CudaBacking final : public Backing {
 
  private:
   int device_;
+  void (*release_foreign_)() = nullptr;
   std::string name_;
 };
 #endif
@@ -195,7 +201,7 @@ class CudaBacking final : public Backing {
 std::unique_ptr<Backing> make_hbm_backing(const MemoryConfig& config) {
   if (!config.cuda) return std::make_unique<HostBacking>(-1, false, "host memory (emulated hbm)");
 #ifdef SUPERCHIP_HAVE_CUDA
-  return std::make_unique<CudaBacking>(config.device_index);
+  return std::make_unique<CudaBacking>(config.device_index, config.release_foreign_cache);
 #else
   throw std::invalid_argument(
       "superchip: MemoryConfig.cuda is true but this build has no CUDA support "

@@ -160,6 +160,10 @@ void MemoryManager::account_external(Tier tier, size_t nbytes) {
   impl_->tier(tier).account_external(nbytes);
 }
 
+bool MemoryManager::try_account_external(Tier tier, size_t nbytes) {
+  return impl_->tier(tier).try_account_external(nbytes);
+}
+
 void MemoryManager::release_external(Tier tier, size_t nbytes) noexcept {
   impl_->tier(tier).release_external(nbytes);
 }

@@ -72,6 +72,10 @@ struct MemoryConfig {
   // (> 0), else reserve_fraction of the hbm capacity. Only applies to a limited hbm.
   size_t hbm_reserve_bytes = 0;
   double hbm_reserve_fraction = 0.2;
+  // Called once when cudaMalloc for hbm fails, before it is retried: another allocator sharing
+  // the GPU (torch's CUDA caching allocator, which holds forwarded kernels' freed outputs)
+  // gives back what it caches. Must not call into this manager.
+  void (*release_foreign_cache)() = nullptr;
 };
 
 class MemoryManager {
@@ -114,6 +118,8 @@ class MemoryManager {
   // budget cannot hold it after releasing the cache.
   void account_external(Tier tier, size_t nbytes);
   void release_external(Tier tier, size_t nbytes) noexcept;
+  // As account_external(), but false (nothing changed, no error counted) when it cannot.
+  bool try_account_external(Tier tier, size_t nbytes);
   // account_external() for memory that may count in either tier (an emulated executor's
   // output: host memory either way): hbm while it can hold it, else host (a spill). Throws
   // OutOfTierMemory naming both tiers when neither can. Returns the tier charged.

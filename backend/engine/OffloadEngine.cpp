@@ -160,6 +160,10 @@ void OffloadEngine::worker_loop() {
     const auto t0 = std::chrono::steady_clock::now();
     try {
       if (!err) item.second.run();
+      // Its GPU copies (snapshots, strided write-backs) end before the job counts as done.
+      if (!err) {
+        if (WorkerJobEnd end = job_end_.load(std::memory_order_acquire)) end(item.second.touched);
+      }
     } catch (...) {
       err = std::current_exception();
     }
@@ -297,9 +301,10 @@ void OffloadEngine::after_fork(bool child) {
 
 void OffloadEngine::set_written_hook(WrittenHook hook) { written_hook_.store(hook, std::memory_order_release); }
 
-void OffloadEngine::set_gpu_order(ReadyEvents ready, WorkerStart worker_start) {
+void OffloadEngine::set_gpu_order(ReadyEvents ready, WorkerStart worker_start, WorkerJobEnd job_end) {
   ready_events_.store(ready, std::memory_order_release);
   worker_start_.store(worker_start, std::memory_order_release);
+  job_end_.store(job_end, std::memory_order_release);
 }
 
 bool OffloadEngine::is_pending(const c10::StorageImpl* s) {

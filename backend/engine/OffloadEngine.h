@@ -94,7 +94,9 @@ class OffloadEngine {
   using ReadyEvents = std::vector<std::shared_ptr<c10::Event>> (*)(
       const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched);
   using WorkerStart = void (*)();
-  void set_gpu_order(ReadyEvents ready, WorkerStart worker_start);
+  // Waits for the GPU work the worker queued on its own streams during a job.
+  using WorkerJobEnd = void (*)(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched);
+  void set_gpu_order(ReadyEvents ready, WorkerStart worker_start, WorkerJobEnd job_end = nullptr);
   // Whether a queued job or a hold covers `s` now (the weight streamer's prefetch skips it).
   bool is_pending(const c10::StorageImpl* s);
   // Marks `storages` speculative until submit_replacing_hold() ends the hold; a reader first
@@ -147,6 +149,7 @@ class OffloadEngine {
   std::atomic<WrittenHook> written_hook_{nullptr};
   std::atomic<ReadyEvents> ready_events_{nullptr};
   std::atomic<WorkerStart> worker_start_{nullptr};
+  std::atomic<WorkerJobEnd> job_end_{nullptr};
   std::thread worker_;  // started by the first job (again in a forked child)
 };
 

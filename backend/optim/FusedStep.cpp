@@ -1,6 +1,7 @@
 #include "backend/optim/FusedStep.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -100,7 +101,7 @@ class HostOperand {
     const bool direct = host_addressable(t) && !staged_for_emulation(t);
     if (direct && t.is_contiguous()) {
       host_ = t;
-    } else if (direct) {
+    } else if (direct && executor() == Executor::kCpu) {
       host_ = t.contiguous();
       staged_ = true;
     } else {
@@ -430,9 +431,22 @@ void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
 
 // ---- tail buckets: the step on the executor ----
 
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+// The parameters' GPU current while the kernels launch on `stream`, a stream of that device:
+// CUDA refuses a launch into another device's stream (parameters on superchip:1 stepped while
+// the current device is 0).
+struct ExecutorDeviceScope {
+  explicit ExecutorDeviceScope(const std::vector<at::Tensor>& params) {
+    if (!params.empty()) guard.reset_device(executor_device(params.front().device().index()));
+  }
+  c10::OptionalDeviceGuard guard;
+};
+#endif
+
 void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) {
   if (executor() != Executor::kCuda) return fused_adam_step(g, hyper);
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
+  const ExecutorDeviceScope device_scope(g.params);
   std::vector<ExecutorOperand> operands;
   const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
   for (size_t i = 0; i < arrays.size(); ++i) {
@@ -450,6 +464,7 @@ void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) 
 void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream) {
   if (executor() != Executor::kCuda) return fused_sgd_step(g, hyper);
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
+  const ExecutorDeviceScope device_scope(g.params);
   std::vector<ExecutorOperand> operands;
   const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
   for (size_t i = 0; i < arrays.size(); ++i) {

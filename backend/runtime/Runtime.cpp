@@ -1,5 +1,6 @@
 #include "backend/runtime/Runtime.h"
 
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -197,6 +198,14 @@ MemoryManager& memory(c10::DeviceIndex index) {
   const Topology& topo = Topology::get();
   cfg.numa_node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(cfg.cuda ? index : -1))].os_index;
   cfg.pin_host = cfg.cuda;
+  if (cfg.cuda) {
+    cfg.release_foreign_cache = [] {
+      try {
+        c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+      } catch (...) {
+      }
+    };
+  }
   // Intentionally leaked: tensors may be freed during interpreter teardown, after static
   // destructors would have run.
   auto* m = new MemoryManager(cfg);

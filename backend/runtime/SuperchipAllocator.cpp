@@ -17,6 +17,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "allocator/Topology.h"
+#include "backend/engine/OffloadEngine.h"
 #include "backend/stream/WeightStreamer.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipGuard.h"
@@ -127,6 +128,9 @@ void note_host_block_use(void* ptr, std::vector<c10::Stream>& streams) noexcept 
 // to ask (CUDA shutting down) the block is taken for the first stream's.
 void note_allocation(void* ptr, c10::DeviceIndex device) noexcept {
   if (ptr == nullptr || device < 0 || device >= c10::DeviceIndex(kTrackedDevices)) return;
+  // The engine's worker ends each job with its streams synchronized (GpuOrder.cpp), so its
+  // blocks have no queued work left when anyone frees them: taken for the first stream's.
+  if (OffloadEngine::on_worker()) return;
   StreamUses& u = stream_uses();
   DeviceStreams& d = u.devices[static_cast<size_t>(device)];
   try {
@@ -385,6 +389,16 @@ class PinnedAllocator final : public c10::Allocator {
 
 }  // namespace
 
+// An engine job may still read or write the bytes a swap is about to free (an asynchronous
+// step of a parameter reloaded or moved by hand): it finishes first. The worker never swaps.
+static void wait_for_engine_jobs(const c10::StorageImpl& storage) {
+  if (!OffloadEngine::on_worker()) OffloadEngine::get().wait_for_storage(&storage);
+}
+
+void note_block_allocated(void* ptr, c10::DeviceIndex device) noexcept { note_allocation(ptr, device); }
+
+void free_block(void* ptr) noexcept { block_delete(ptr); }
+
 [[noreturn]] void rethrow_as_torch_oom(const OutOfTierMemory& e) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
 }
@@ -429,6 +443,7 @@ void place_incoming_weights(c10::StorageImpl& storage) {
   if (limit == 0 || nbytes == 0 || !m.host_placeable(nbytes) || storage_tier(storage) != Tier::kHbm) return;
   if (static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes) <= limit) return;
   if (storage_has_lease(storage)) return;  // a collective uses the bytes: leave them
+  wait_for_engine_jobs(storage);
   // Past the limit: the weights go to host, where allocate_placed() falls back anyway.
   void* p = nullptr;
   try {
@@ -466,7 +481,10 @@ namespace {
 
 c10::DataPtr move_gpu_output_out_of_hbm(const c10::Storage& executor_storage, c10::DeviceIndex device) {
   const size_t nbytes = executor_storage.nbytes();
-  c10::DataPtr placed = allocate_placed(nbytes, device);
+  // allocate_placed() never spills a block under kMmapThreshold (host_placeable): it would fail
+  // on the full hbm. The output exists already; host is the only place left for it.
+  c10::DataPtr placed = memory(device).host_placeable(nbytes) ? allocate_placed(nbytes, device)
+                                                              : allocate_in_tier(nbytes, Tier::kHost, device);
   c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->synchronizeDevice(device);
   memory(device).copy(placed.get(), executor_storage.data(), nbytes);
   return placed;
@@ -489,11 +507,7 @@ c10::DataPtr adopt_executor_storage(const c10::Storage& executor_storage, c10::D
     if (executor() == Executor::kCpu) {
       tier = m.account_external_placed(nbytes);
     } else {
-      try {
-        m.account_external(Tier::kHbm, nbytes);
-      } catch (const OutOfTierMemory&) {
-        return move_gpu_output_out_of_hbm(executor_storage, device);
-      }
+      if (!m.try_account_external(Tier::kHbm, nbytes)) return move_gpu_output_out_of_hbm(executor_storage, device);
     }
   } catch (const OutOfTierMemory& e) {
     rethrow_as_torch_oom(e);
@@ -523,6 +537,7 @@ Tier storage_tier(const c10::StorageImpl& storage) {
 void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
   if (storage_tier(storage) == tier) return;
   check_no_lease(storage, "superchip.move_to_tier");
+  wait_for_engine_jobs(storage);
   const c10::DeviceIndex device = storage.device().index();
   const size_t nbytes = storage.nbytes();
   c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet

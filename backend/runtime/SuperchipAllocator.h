@@ -44,6 +44,13 @@ SuperchipAllocator& superchip_allocator();
 // Dead blocks waiting for a recorded stream before they are reused (tests, diagnostics).
 size_t pending_stream_frees();
 
+// Blocks taken from a device's MemoryManager by hand (the weight streamer's arena and staged
+// copies) follow a storage's stream rules (Note [Blocks and the streams that allocate them]):
+// note_block_allocated() when taken, on the stream that will use it, and free_block() to give
+// it back, which waits for that stream once a second stream allocates on the device.
+void note_block_allocated(void* ptr, c10::DeviceIndex device) noexcept;
+void free_block(void* ptr) noexcept;
+
 // A block of `tier` on `device`, as a DataPtr of device superchip:device.
 c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device);
 

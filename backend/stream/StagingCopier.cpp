@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -257,7 +258,13 @@ class CudaCopier final : public StagingCopier {
 #ifdef SUPERCHIP_TORCH_HAS_STREAM_NATIVE_HANDLE
     try {
       void* h = s.native_handle();
-      *ok = true;
+      // One compute stream, the first that reads a staged copy: a block is reused once that
+      // stream has passed its readers (issue() orders the next copy after it); a kernel on
+      // another stream could still be reading when the copy overwrote it, so other streams
+      // read weights in place (their releases wait for the copy on the CPU: make_visible).
+      c10::StreamId none = kNoStream;
+      stream_id_.compare_exchange_strong(none, s.id());
+      *ok = stream_id_.load() == s.id();
       return static_cast<cudaStream_t>(h);
     } catch (const c10::Error&) {
       // This torch's CUDA guard does not implement it: fall through to the default stream.
@@ -287,6 +294,8 @@ class CudaCopier final : public StagingCopier {
     (timed ? timed_pool_ : plain_pool_).push_back(e);
   }
 
+  static constexpr c10::StreamId kNoStream = std::numeric_limits<c10::StreamId>::min();
+  std::atomic<c10::StreamId> stream_id_{kNoStream};  // the compute stream copies are ordered with
   c10::DeviceIndex device_;
   cudaStream_t copy_stream_ = nullptr;
   std::mutex mu_;

@@ -5,8 +5,9 @@
 //  - CUDA executor: a non-blocking copy stream of the device and events; the CPU never waits
 //    (Note [Copy stream ordering] in StagingCopier.cpp).
 // usable() is false where the copies cannot be ordered with the kernels (CUDA executor, a
-// torch without c10::Stream::native_handle, a non-default current stream): the streamer then
-// reads weights in place. Errors of the CUDA runtime throw std::runtime_error naming the call.
+// torch without c10::Stream::native_handle, a non-default current stream; with native_handle,
+// any stream but the first that asked, since a block is reused once that one stream has passed
+// its readers): the streamer then reads weights in place. Errors of the CUDA runtime throw std::runtime_error naming the call.
 // Thread-safety: every member may be called from any thread.
 #pragma once
 

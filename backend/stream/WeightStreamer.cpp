@@ -100,10 +100,10 @@ constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
 
 class Arena {
  public:
-  Arena(MemoryManager* mm, void* base, size_t size) : mm_(mm), base_(static_cast<char*>(base)), size_(size) {
+  Arena(void* base, size_t size) : base_(static_cast<char*>(base)), size_(size) {
     free_.emplace(0, size);
   }
-  ~Arena() { mm_->free(base_); }
+  ~Arena() { free_block(base_); }  // after the stream that read it (SuperchipAllocator.h)
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
@@ -146,7 +146,6 @@ class Arena {
  private:
   static size_t round(size_t n) { return (n + 255) & ~size_t{255}; }
   std::mutex mu_;
-  MemoryManager* mm_;
   char* base_;
   size_t size_;
   std::map<size_t, size_t> free_;  // offset -> bytes
@@ -174,7 +173,7 @@ struct Entry {
     copier->before_release(ticket.get());  // the copy may still be writing the block
     ticket.reset();
     if (arena) arena->release(block, nbytes);
-    else mm->free(block);
+    else free_block(block);
     block = nullptr;
   }
 };
@@ -289,11 +288,15 @@ struct WeightStreamer::Impl {
   double seconds_at_reset = 0.0;  // the copier's measured time and bytes at reset_stats()
   double bytes_at_reset = 0.0;
 
-  MemoryManager& mm() { return memory(current_device()); }
+  // Weights of one device are staged: the first a staged read finds (one copier and one arena;
+  // weights on another device of this process are read in place).
+  c10::DeviceIndex device = -1;
+  c10::DeviceIndex staging_device() { return device >= 0 ? device : current_device(); }
+  MemoryManager& mm() { return memory(staging_device()); }
 
   StagingCopier& copier() {
     if (!copier_) {
-      copier_ = make_staging_copier(mm(), current_device());
+      copier_ = make_staging_copier(mm(), staging_device());
       created_copier.store(copier_.get(), std::memory_order_release);
     }
     return *copier_;
@@ -334,7 +337,8 @@ struct WeightStreamer::Impl {
   void allocate_arena() {
     if (arena || staging_budget == 0) return;
     if (void* base = mm().try_allocate(staging_budget, Tier::kHbm)) {
-      arena = std::make_shared<Arena>(&mm(), base, staging_budget);
+      note_block_allocated(base, staging_device());
+      arena = std::make_shared<Arena>(base, staging_budget);
     }
   }
 
@@ -609,6 +613,7 @@ struct WeightStreamer::Impl {
     const bool planned = arena && first.count(s) != 0;
     void* block = planned ? arena->allocate(n) : m.try_allocate(n, Tier::kHbm);
     if (block == nullptr) return nullptr;
+    if (!planned) note_block_allocated(block, staging_device());
     auto e = std::make_shared<Entry>();
     if (planned) e->arena = arena;
     e->source = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
@@ -780,6 +785,8 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     std::lock_guard<std::mutex> lock(impl_->mu);
     Impl& d = *impl_;
     if (!d.enabled) return {};
+    if (d.device < 0) d.device = s->device().index();
+    if (s->device().index() != d.device) return {};  // another device's weight: in place
     // CUDA: copies we cannot order with the current stream are not made (StagingCopier.h).
     if (!d.copier().usable()) return {};
     auto w = d.weights.find(s);

@@ -171,9 +171,38 @@ def _default_to_sccl(init):
     return __init__
 
 
+def _split_group_on_the_bound_device() -> None:
+    """Note [split_group on torch 2.11]: torch 2.11's ``split_group`` (DeviceMesh's way to make the
+    groups of a mesh dimension when the world group is bound to a device and CUDA is available)
+    looks up the parent's and the child's backend for ``cuda``; a superchip group has none ("No
+    backend type associated with device type cuda"). torch 2.13 looks them up for the current
+    accelerator; this rebinds 2.11's function to look them up for the device the world group is
+    bound to (the same for a CUDA-bound group; a no-op on torch versions without the hard-coded cuda)."""
+    import inspect
+    import textwrap
+
+    from torch.distributed import device_mesh
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.split_group, "_superchip_wrapped", False):
+        return
+    src = textwrap.dedent(inspect.getsource(c10d.split_group))
+    if 'torch.device("cuda")' not in src or "device_id = default_pg.bound_device_id" not in src:
+        return
+    src = src.replace('torch.device("cuda")', '(device_id or torch.device("cuda"))')
+    scope: dict = {}
+    exec(compile(src, c10d.__file__, "exec"), c10d.__dict__, scope)  # noqa: S102
+    split_group = scope["split_group"]
+    split_group._superchip_wrapped = True
+    for module in (c10d, dist, device_mesh):
+        if getattr(module, "split_group", None) is not None:
+            module.split_group = split_group
+
+
 def _register() -> None:
     if not dist.is_available():
         return
+    _split_group_on_the_bound_device()
     from torch.distributed import distributed_c10d as c10d
 
     if "SCCL" not in dist.Backend._plugins:

@@ -118,6 +118,9 @@ class Engine:
         """Turns the engine off for good (a parameter it cannot guard joined): the plain step."""
         self.rollback_unstepped(skipped=False)
         self.synchronize()
+        if self.tail and self.buckets:  # the plain CPU step cannot address hbm state (CUDA)
+            self.opt._engine_place_state(self.buckets, 0)
+            self.tail = 0
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -265,6 +268,12 @@ class Engine:
         known = set(self.bucket_of)
         if known == set(with_grad) and self.buckets:
             return
+        # This backward's speculations were made for the old buckets, whose state is about to
+        # change tiers: undo them first; every bucket is then stepped plainly below.
+        for s in self.specs.values():
+            if not s.stepped:
+                _C._engine_rollback(s.spec)
+        self.specs = {}
         seen = set(self.order)
         order = [p for p in self.order if p.grad is not None]
         order += [p for p in reversed(with_grad) if p not in seen]

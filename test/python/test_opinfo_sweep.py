@@ -246,6 +246,9 @@ def test_cpu_decorations_carry_over():
     assert "nn.functional.avg_pool3d" in overrides
     assert all(i.device_type == "privateuse1" for infos in overrides.values() for i in infos)
 
+    if not hasattr(PrivateUse1TestBase, "_apply_op_overrides"):
+        return  # torch < 2.13 has no op_overrides mechanism; the sweep's own marks are checked above
+
     class SuperchipTests(PrivateUse1TestBase):
         op_overrides = {"nn.functional.avg_pool3d": overrides["nn.functional.avg_pool3d"]}
 

@@ -59,8 +59,8 @@ _MODEL = textwrap.dedent("""
 """)
 
 
-def _run(body: str, hbm: str, host: str | None = None) -> dict:
-    env = dict(os.environ, SUPERCHIP_HBM_BYTES=hbm, SUPERCHIP_EXECUTOR="cpu")
+def _run(body: str, hbm: str, host: str | None = None, env: dict | None = None) -> dict:
+    env = dict(os.environ, SUPERCHIP_HBM_BYTES=hbm, SUPERCHIP_EXECUTOR="cpu", **(env or {}))
     if host is not None:
         env["SUPERCHIP_HOST_BYTES"] = host
     r = subprocess.run([sys.executable, "-c", _MODEL + textwrap.dedent(body)], env=env,
@@ -703,3 +703,36 @@ def test_saving_a_checkpoint_mid_run_reads_host_weights_in_place():
     assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
     assert r["saved"]["equal"] and r["saved"]["staged"] == 0, r
     assert r["state"] == "streaming" and r["version"] == r["saved"]["version"], r
+
+
+def test_a_model_on_the_second_device_is_staged_on_that_device():
+    # Weights are staged on the device they live on (before: the arena and the copies were
+    # taken from the current device, superchip:0, and a kernel on superchip:1 was handed
+    # device 0's memory; on two GPUs, an illegal address). The staging device is the first
+    # whose weight a read stages; another device's weights are read in place.
+    r = _run("""
+        ref = mlp(512, 8)
+        model = mlp(512, 8).to("superchip:1")
+        g = torch.Generator().manual_seed(1)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(4, 512, generator=g)
+            a = ref(x).square().mean()
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            b = model(x.to("superchip:1")).square().mean()
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+        st = superchip.stream_stats()
+        print(json.dumps(dict(losses=losses, bitwise=same_params(ref, model), hits=st["hits"],
+                              current=torch.superchip.current_device(),
+                              peak0=superchip.memory_stats(0)["hbm.peak_allocated_bytes"],
+                              peak1=superchip.memory_stats(1)["hbm.peak_allocated_bytes"],
+                              budget=superchip.memory_stats(1)["hbm.capacity_bytes"],
+                              param_bytes=param_bytes(ref), state=superchip.weights_plan()["state"])))
+    """, hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
+    assert r["current"] == 0 and r["param_bytes"] > 2 * r["budget"], r
+    assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
+    assert r["state"] == "streaming" and r["hits"] > 0, r
+    assert r["peak0"] == 0 and 0 < r["peak1"] <= r["budget"], r

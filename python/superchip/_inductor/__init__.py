@@ -45,6 +45,7 @@ def register() -> None:
             return
         from torch._dynamo.device_interface import register_interface_for_device
         from torch._inductor.codegen.common import (
+            get_device_op_overrides,
             register_backend_for_device,
             register_device_op_overrides,
         )
@@ -53,6 +54,9 @@ def register() -> None:
         from .device_interface import SuperchipInterface
 
         register_interface_for_device("superchip", SuperchipInterface)
+        # torch 2.11 loads its built-in device op overrides (cpu, cuda, ...) only while its table
+        # is empty: registering superchip's first would leave "cuda" with the CPU's no-op ones.
+        get_device_op_overrides("cpu")
         register_device_op_overrides("superchip", codegen.device_op_overrides())
         register_backend_for_device(
             "superchip",
