@@ -239,7 +239,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("options", [](ProcessGroupSccl& self) {
         return c10::static_intrusive_pointer_cast<ProcessGroupSccl::SccOptions>(self.getBackendOptions());
       })
-      .def_property_readonly("inner", &ProcessGroupSccl::inner);
+      .def_property_readonly("inner", &ProcessGroupSccl::inner)
+      // torch's new_group, on a rank the new group leaves out, when the world group is bound to
+      // a device and splits: the inner group takes part in the split as NCCL requires of every
+      // rank (its performNocolorSplit, on the executor's device); an inner group without it
+      // (Gloo) has nothing to do. Before, an AttributeError on that rank.
+      .def("perform_nocolor_split", [](ProcessGroupSccl& self, const c10::Device& device) {
+        py::object inner = py::cast(self.inner());
+        if (py::hasattr(inner, "perform_nocolor_split")) {
+          inner.attr("perform_nocolor_split")(executor_device(device.index()));
+        }
+      });
   m.def("_create_sccl_backend",
         [](c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, double timeout_s,
            py::object split_options) {

@@ -361,6 +361,16 @@ def check_device_id_and_split():
         dist.all_reduce(t, group=pg)
         dist.all_reduce(c, group=pg)
         eq(t, c, f"all_reduce over the split '{dim}' group")
+    # A group that leaves a rank out: that rank takes part in the split (before: AttributeError,
+    # no perform_nocolor_split on the sccl backend), gets no group, and the others use theirs.
+    alone = dist.new_group([0])
+    if RANK == 0:
+        t = data(4).to(DEV)
+        dist.all_reduce(t, group=alone)
+        eq(t, data(4), "all_reduce over a one-rank group")
+    else:
+        assert alone == dist.GroupMember.NON_GROUP_MEMBER, alone
+    dist.barrier()
 
 
 # ---- DDP ----
