@@ -158,7 +158,15 @@ def __getattr__(name: str):
         from . import _inductor
         from ._inductor import codegen
 
-        _inductor.register()
+        try:
+            _inductor.register()
+        except Exception as e:
+            # Inductor asks for this inside `except RuntimeError: pass` (init_backend_registration):
+            # without a warning the user would only see "unsupported device" later.
+            import warnings
+
+            warnings.warn(f"superchip: torch.compile support could not be registered: {e}", stacklevel=2)
+            raise
         return codegen.Scheduling
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -282,3 +282,25 @@ def test_cpp_wrapper_is_rejected_clearly():
     with (inductor_config.patch(cpp_wrapper=True),
           pytest.raises(Exception, match="not supported on the superchip device")):
         torch.compile(lambda t: t.cos() * 2, fullgraph=True)(x)
+
+
+def test_a_failed_registration_says_why():
+    # Inductor asks the device module for its backend inside `except RuntimeError: pass`; a
+    # registration that failed (here: a torch version the patches were not checked against)
+    # was silent, and half done. Now nothing is registered and a warning names the cause.
+    code = """
+import warnings, torch, superchip
+from superchip._inductor import patches
+patches._SUPPORTED = ((9, 0), (9, 1))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device="superchip"))
+        print("compiled")
+    except Exception as e:
+        print("raised", type(e).__name__)
+print("WARN" if any("could not be registered" in str(x.message) and "torch 9.0 to 9.1" in str(x.message)
+                    for x in w) else "NO WARNING")
+"""
+    r = run_python(code, timeout=300)
+    assert "raised" in r.stdout and "WARN" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -53,6 +53,8 @@ def register() -> None:
         from . import codegen, config, patches
         from .device_interface import SuperchipInterface
 
+        # First: its version check raises before anything is registered (nothing half-done).
+        patches.apply()
         register_interface_for_device("superchip", SuperchipInterface)
         # torch 2.11 loads its built-in device op overrides (cpu, cuda, ...) only while its table
         # is empty: registering superchip's first would leave "cuda" with the CPU's no-op ones.
@@ -66,7 +68,6 @@ def register() -> None:
             codegen.WrapperFxCodegen,
             device_custom_config=config,
         )
-        patches.apply()
         _registered = True
 
 
