@@ -6,6 +6,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -15,20 +16,25 @@
 namespace superchip {
 namespace {
 
-// Events on the calling thread's current CUDA stream of each device `touched` lives on.
-std::vector<std::shared_ptr<c10::Event>> record_ready_events(
-    const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched) {
-  std::vector<std::shared_ptr<c10::Event>> events;
-  if (executor() != Executor::kCuda) return events;
-  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+using Storages = std::vector<c10::intrusive_ptr<c10::StorageImpl>>;
+
+// The superchip devices `touched` lives on, each once.
+std::vector<c10::DeviceIndex> devices_of(const Storages& touched) {
   std::vector<c10::DeviceIndex> devices;
   for (const auto& s : touched) {
     if (s->device().type() != c10::DeviceType::PrivateUse1) continue;
     const c10::DeviceIndex d = s->device().index();
-    bool seen = false;
-    for (c10::DeviceIndex x : devices) seen |= x == d;
-    if (seen) continue;
-    devices.push_back(d);
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  }
+  return devices;
+}
+
+// Events on the calling thread's current CUDA stream of each device `touched` lives on.
+std::vector<std::shared_ptr<c10::Event>> record_ready_events(const Storages& touched) {
+  std::vector<std::shared_ptr<c10::Event>> events;
+  if (executor() != Executor::kCuda) return events;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  for (c10::DeviceIndex d : devices_of(touched)) {
     auto e = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     e->record(cuda->getStream(c10::Device(c10::DeviceType::CUDA, d)));
     events.push_back(std::move(e));
@@ -55,17 +61,10 @@ void use_side_streams() {
 // snapshot into a host block, a strided write-back into a parameter) are CUDA device-to-device
 // copies, which never block the CPU; the next job (a CPU step) or the next forward would read
 // their destination early. Found by review; not yet run on a GPU.
-void finish_side_streams(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& touched) {
+void finish_side_streams(const Storages& touched) {
   if (executor() != Executor::kCuda) return;
   const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  std::vector<c10::DeviceIndex> devices;
-  for (const auto& s : touched) {
-    if (s->device().type() != c10::DeviceType::PrivateUse1) continue;
-    const c10::DeviceIndex d = s->device().index();
-    bool seen = false;
-    for (c10::DeviceIndex x : devices) seen |= x == d;
-    if (seen) continue;
-    devices.push_back(d);
+  for (c10::DeviceIndex d : devices_of(touched)) {
     cuda->synchronizeStream(cuda->getStream(c10::Device(c10::DeviceType::CUDA, d)));
   }
 }
