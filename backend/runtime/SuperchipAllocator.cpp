@@ -66,8 +66,8 @@ struct PendingFree {
 // allocated it (its work on the block is then ahead in stream order); superchip's tiers are
 // one pool for all streams. While every block comes from one stream that is the same thing,
 // so that case stays free of events. From the first allocation on a second stream of a device
-// (FSDP2's all-gather and reduce-scatter streams, a user's side stream, the engine's workers)
-// each block remembers the stream that allocated it (`allocated_on`; none: the first stream),
+// (FSDP2's all-gather and reduce-scatter streams, a user's side stream; not the engine's
+// worker, whose jobs end with its streams synchronized) each block remembers the stream that allocated it (`allocated_on`; none: the first stream),
 // and a dead block waits in `pending` for an event on that stream, as a recorded one does
 // (Note [record_stream]): a block is never handed to another stream while the kernels of the
 // stream it was allocated on may still use it. Blocks freed before the switch went back to
