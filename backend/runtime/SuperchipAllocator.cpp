@@ -86,6 +86,7 @@ struct StreamUses {
   std::unordered_map<void*, std::vector<c10::Stream>> recorded;
   std::vector<PendingFree> pending;
   std::array<DeviceStreams, kTrackedDevices> devices;
+  std::atomic<bool> any_multi{false};  // some device is multi-stream: frees look up their block
   std::unordered_map<void*, c10::Stream> allocated_on;  // multi-stream devices, streams but the first
 };
 
@@ -148,6 +149,7 @@ void note_allocation(void* ptr, c10::DeviceIndex device) noexcept {
     u.allocated_on.insert_or_assign(ptr, cur);
     if (d.multi.load(std::memory_order_relaxed)) return;
     d.multi.store(true, std::memory_order_release);
+    u.any_multi.store(true, std::memory_order_release);
     const c10::Stream first(c10::Stream::UNSAFE, cur.device(), d.first.load(std::memory_order_relaxed));
     g.unlock();
     // Blocks the first stream freed to the pool may still be in its queued kernels' hands,
@@ -159,6 +161,7 @@ void note_allocation(void* ptr, c10::DeviceIndex device) noexcept {
 
 // The stream that allocated a block of a multi-stream device, added to `streams`.
 void note_allocating_stream(void* ptr, std::vector<c10::Stream>& streams) noexcept {
+  if (!stream_uses().any_multi.load(std::memory_order_acquire)) return;  // one stream: no lookup
   MemoryManager* m = owner_of(ptr);
   if (m == nullptr) return;
   const auto device = static_cast<c10::DeviceIndex>(m->config().device_index);
