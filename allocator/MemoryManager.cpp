@@ -204,6 +204,8 @@ void MemoryManager::empty_cache() noexcept {
   impl_->host.empty_cache();
 }
 
+size_t MemoryManager::empty_cache(Tier tier) noexcept { return impl_->tier(tier).empty_cache(); }
+
 void MemoryManager::reset_peak() noexcept {
   impl_->hbm.reset_peak();
   impl_->host.reset_peak();

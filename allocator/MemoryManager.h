@@ -137,6 +137,8 @@ class MemoryManager {
   TierStats stats(Tier tier) const noexcept;
   // Returns every cached (free) block of both tiers to its backing.
   void empty_cache() noexcept;
+  // The same for one tier; returns the bytes given back.
+  size_t empty_cache(Tier tier) noexcept;
   void reset_peak() noexcept;         // peaks := current values
   void reset_accumulated() noexcept;  // num_allocs, num_frees, num_cache_hits, num_ooms := 0
   // Changes a tier's budget. Throws std::invalid_argument if below the bytes in use.

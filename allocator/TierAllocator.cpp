@@ -228,9 +228,11 @@ TierStats TierAllocator::stats() const noexcept {
   return stats_;
 }
 
-void TierAllocator::empty_cache() noexcept {
+size_t TierAllocator::empty_cache() noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t before = stats_.reserved_bytes;
   release_all_cached();
+  return static_cast<size_t>(before - stats_.reserved_bytes);
 }
 
 void TierAllocator::reset_peak() noexcept {

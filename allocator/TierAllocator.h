@@ -72,7 +72,8 @@ class TierAllocator {
   size_t block_size(const void* ptr) const noexcept;
 
   TierStats stats() const noexcept;
-  void empty_cache() noexcept;
+  // Returns every cached block to the backing; the bytes given back.
+  size_t empty_cache() noexcept;
   void reset_peak() noexcept;
   void reset_accumulated() noexcept;
   // Throws std::invalid_argument if capacity_bytes != 0 and below allocated_bytes;

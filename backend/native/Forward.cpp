@@ -4,6 +4,7 @@
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
@@ -129,6 +130,7 @@ struct OpFacts {
   std::vector<int> generator_args;   // positions of Generator? arguments
   std::vector<int> device_args;      // positions of Device? arguments
   std::vector<bool> mutable_args;    // per argument: written by the op (alias_info is_write)
+  bool writes_arguments = false;     // any of mutable_args
   bool allows_cpu_operands = false;  // index ops take CPU index tensors, as on CUDA
   int rows_arg = -1;                 // the operand read by rows (Access::kReadRows), or -1
 };
@@ -155,6 +157,7 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
     if (inner->kind() == c10::TypeKind::GeneratorType) f.generator_args.push_back(int(i));
     if (inner->kind() == c10::TypeKind::DeviceObjType) f.device_args.push_back(int(i));
     f.mutable_args[i] = args[i].alias_info() && args[i].alias_info()->isWrite();
+    f.writes_arguments |= f.mutable_args[i];
   }
   const std::string& name = schema.name();
   f.allows_cpu_operands = name == "aten::index" || name == "aten::index_put_" ||
@@ -186,7 +189,7 @@ class ForwardedCall {
   void run() {
     find_device();
     rewrite_arguments();
-    op_.redispatchBoxed(c10::DispatchKeySet(executor_key()), stack_);
+    redispatch();
     sync_mutated_arguments();
     retag_returns();
   }
@@ -295,6 +298,85 @@ class ForwardedCall {
         v = executor_generator(v.toGenerator());
       }
     }
+  }
+
+  // Note [Executor out of memory]
+  // A forwarded kernel allocates its outputs and temporaries with the executor's allocator
+  // (CUDA's caching allocator, or the CPU's), which knows nothing of the blocks superchip
+  // holds cached. So the executor could run out while superchip sat on free memory: a
+  // weight demoted to host by the streaming plan leaves its hbm block in superchip's cache,
+  // and the next large activation failed with CUDA's out-of-memory error (the CPU executor
+  // shows the same with a bounded address space: test_memory.py). When the kernel runs out,
+  // superchip gives back its cache where that executor allocates and runs the kernel again,
+  // once: the executor has already given back its own cache before raising. Only an op that
+  // writes none of its arguments is run again (a second run of one that wrote part of an
+  // argument before failing would not be the first run's result); others, like a second
+  // failure, raise the executor's error with what superchip released and what to change.
+  // The arguments are kept for that second run: a copy of a few IValues per forwarded op.
+  void redispatch() {
+    const c10::DispatchKeySet keys(executor_key());
+    if (facts_.writes_arguments) {
+      try {
+        op_.redispatchBoxed(keys, stack_);
+      } catch (c10::Error& e) {
+        if (!is_out_of_memory(e)) throw;
+        explain_out_of_memory(e, release_cached_memory_for_executor(device_), /*retried=*/false);
+        throw;
+      }
+      return;
+    }
+    c10::SmallVector<c10::IValue, 8> args(stack_->end() - static_cast<std::ptrdiff_t>(num_args_), stack_->end());
+    size_t released = 0;
+    try {
+      op_.redispatchBoxed(keys, stack_);
+      return;
+    } catch (c10::Error& e) {
+      if (!is_out_of_memory(e)) throw;
+      released = release_cached_memory_for_executor(device_);
+      if (released == 0) {
+        explain_out_of_memory(e, 0, /*retried=*/false);
+        throw;
+      }
+    }
+    stack_->resize(first_);
+    stack_->insert(stack_->end(), args.begin(), args.end());
+    args.clear();  // the stack holds the only references the kernel expects
+    try {
+      op_.redispatchBoxed(keys, stack_);
+    } catch (c10::Error& e) {
+      if (is_out_of_memory(e)) explain_out_of_memory(e, released, /*retried=*/true);
+      throw;
+    }
+  }
+
+  static bool is_out_of_memory(const c10::Error& e) {
+    if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+    // The CPU allocator raises a plain c10::Error (alloc_cpu.cpp's enforce).
+    return executor() == Executor::kCpu && e.msg().find("DefaultCPUAllocator") != std::string::npos &&
+           e.msg().find("allocate") != std::string::npos;
+  }
+
+  void explain_out_of_memory(c10::Error& e, size_t released, bool retried) const {
+    std::string m = std::string("superchip: the ") + executor_name(executor()) +
+                    " executor ran out of memory in " + op_.schema().name() + " on superchip:" +
+                    std::to_string(device_) + "; ";
+    if (released == 0) {
+      m += "superchip held no cached memory to give back.";
+    } else {
+      m += "superchip gave back " + format_bytes(released) + " it held cached";
+      m += retried ? " and ran the kernel again, which failed too."
+                   : "; the kernel was not run again because it writes its arguments: run it again.";
+    }
+    if (MemoryManager* mm = memory_if_created(device_)) {
+      const TierStats hbm = mm->stats(Tier::kHbm);
+      m += " superchip's tensors use " + format_bytes(size_t(std::max<int64_t>(hbm.allocated_bytes, 0))) +
+           " of hbm (budget " + (hbm.capacity_bytes == 0 ? std::string("unlimited") : format_bytes(size_t(hbm.capacity_bytes))) + ").";
+    }
+    m += executor() == Executor::kCuda
+             ? " To leave the kernels more GPU memory, raise SUPERCHIP_HBM_RESERVE (more weights stay in "
+               "host and stream) or lower SUPERCHIP_HBM_BYTES; or use smaller batches."
+             : " The host is out of memory: free tensors or use smaller batches.";
+    e.add_context(std::move(m));
   }
 
   // An out= or in-place op may have resized its executor alias: the bytes then live in new

@@ -581,6 +581,21 @@ void SuperchipAllocator::copy_data(void* dest, const void* src, std::size_t coun
   memory(current_device()).copy(dest, src, count);
 }
 
+size_t release_cached_memory_for_executor(c10::DeviceIndex device) noexcept {
+  drain_pending_frees();
+  size_t released = 0;
+  if (executor() == Executor::kCuda) {
+    if (MemoryManager* m = memory_if_created(device)) released += m->empty_cache(Tier::kHbm);
+    return released;
+  }
+  for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+    if (MemoryManager* m = memory_if_created(i)) {
+      released += m->empty_cache(Tier::kHbm) + m->empty_cache(Tier::kHost);
+    }
+  }
+  return released;
+}
+
 void SuperchipAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
   retire_pending_frees();
   for (c10::DeviceIndex i = 0; i < device_count(); ++i) {

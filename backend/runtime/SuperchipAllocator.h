@@ -85,6 +85,12 @@ void move_storage_to_tier(c10::StorageImpl& storage, Tier tier);
 // Grows or shrinks a superchip storage to nbytes, keeping its tier and its leading bytes.
 void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes);
 
+// An executor kernel ran out of memory (Note [Executor out of memory] in native/Forward.cpp):
+// gives back what superchip holds cached where that executor allocates (the CUDA executor:
+// hbm of `device`, after the blocks waiting for their streams; the CPU executor: both tiers
+// of every device, all host memory). Returns the bytes given back. Never throws.
+size_t release_cached_memory_for_executor(c10::DeviceIndex device) noexcept;
+
 // Turns a MemoryManager OutOfTierMemory into torch.OutOfMemoryError (same message).
 [[noreturn]] void rethrow_as_torch_oom(const OutOfTierMemory& e);
 

@@ -346,6 +346,87 @@ def test_oom_from_an_op_output(hbm_capacity, host_capacity):
     assert a[0].item() == 2.0
 
 
+_EXECUTOR_OOM = """
+import gc, resource, torch, superchip
+torch.set_num_threads(1)
+def vm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+src = torch.ones(1 << 20, dtype=torch.uint8, device="superchip")
+(src.expand(2, 1 << 20) * 1).cpu()  # warm up the forwarding path
+blocks = [torch.empty(64 << 20, dtype=torch.uint8, device="superchip") for _ in range(8)]
+del blocks; gc.collect()  # 512 MiB cached by superchip, none in use
+cached = superchip.memory_stats()["hbm.reserved_bytes"] - superchip.memory_stats()["hbm.allocated_bytes"]
+assert cached >= 512 << 20, cached
+# The address space left is 320 MiB: a 400 MiB output fits only if superchip gives its cache back.
+resource.setrlimit(resource.RLIMIT_AS, (vm() + (320 << 20), resource.RLIM_INFINITY))
+y = src.expand(400, 1 << 20) * 2  # aten::mul on the executor, its output from the CPU allocator
+assert y.shape == (400, 1 << 20) and y.min().item() == 2 and y.max().item() == 2
+s = superchip.memory_stats()
+assert s["hbm.reserved_bytes"] - s["hbm.allocated_bytes"] < (64 << 20), s  # the cache went back
+print("RETRIED OK")
+del y; gc.collect()
+try:
+    src.expand(2000, 1 << 20) * 2  # more than everything: the error says what superchip did
+except RuntimeError as e:
+    print("TOO LARGE:", str(e).replace("\\n", " "))
+out = torch.empty(0, dtype=torch.uint8, device="superchip")
+more = []
+while resource.getrlimit(resource.RLIMIT_AS)[0] - vm() > (300 << 20):
+    more.append(torch.empty(64 << 20, dtype=torch.uint8, device="superchip"))
+del more; gc.collect()  # cached again, until less than 400 MiB of address space is left
+try:
+    torch.mul(src.expand(400, 1 << 20), 2, out=out)  # writes an argument: never run twice
+except RuntimeError as e:
+    print("WRITES:", str(e).replace("\\n", " "))
+torch.mul(src.expand(400, 1 << 20), 2, out=out)  # the cache went back: run again, it fits
+assert out.shape == (400, 1 << 20) and out[0, 0].item() == 2
+print("OUT OK")
+"""
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu", reason="bounds the address space of the CPU executor's allocator")
+def test_an_executor_out_of_memory_gets_superchip_cache_back():
+    # Note [Executor out of memory]: a forwarded kernel allocates with the executor's
+    # allocator, which cannot take back what superchip holds cached. The CPU executor shows it
+    # with a bounded address space: 512 MiB cached by superchip, 320 MiB of address space
+    # left, a 400 MiB output. Before, the op failed ("DefaultCPUAllocator: can't allocate").
+    from helpers import run_python
+    r = run_python(_EXECUTOR_OOM, env={"SUPERCHIP_HBM_BYTES": "4G", "MALLOC_ARENA_MAX": "1",
+                                       "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "RETRIED OK" in r.stdout and "OUT OK" in r.stdout, r.stdout
+    too_large = next(l for l in r.stdout.splitlines() if l.startswith("TOO LARGE:"))
+    assert "ran out of memory in aten::mul on superchip:0" in too_large, too_large
+    assert "held no cached memory" in too_large or "ran the kernel again, which failed too" in too_large, too_large
+    writes = next(l for l in r.stdout.splitlines() if l.startswith("WRITES:"))
+    assert "not run again because it writes its arguments" in writes, writes
+
+
+@pytest.mark.skipif(superchip.executor() != "cuda", reason="CUDA's caching allocator against superchip's hbm cache")
+def test_a_gpu_kernel_out_of_memory_gets_superchip_hbm_cache_back():
+    # Note [Executor out of memory] on a GPU: superchip caches 3/4 of the GPU, freed; a kernel
+    # output of 2/5 of it (CUDA's caching allocator) fits only once that cache is given back.
+    from helpers import run_python
+    code = """
+import gc, torch, superchip
+total = torch.cuda.get_device_properties(0).total_memory
+src = torch.ones(1 << 20, dtype=torch.uint8, device="superchip")
+chunk = int(total * 0.75) // 8
+blocks = [torch.empty(chunk, dtype=torch.uint8, device="superchip") for _ in range(8)]
+assert all(superchip.tier_of(b) == "hbm" for b in blocks)
+del blocks; gc.collect(); torch.cuda.empty_cache()
+rows = int(total * 0.4) >> 20
+y = src.expand(rows, 1 << 20) * 2
+torch.cuda.synchronize()
+assert y.shape == (rows, 1 << 20) and y.min().item() == 2 and y.max().item() == 2
+s = superchip.memory_stats()
+assert s["hbm.reserved_bytes"] - s["hbm.allocated_bytes"] < chunk, s
+print("OK")
+"""
+    r = run_python(code, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 def test_cached_blocks_are_freed_before_oom(hbm_capacity):
     used = stats()["hbm.allocated_bytes"]
     superchip.set_capacity("hbm", used + 8 * MiB)

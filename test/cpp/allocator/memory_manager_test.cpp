@@ -197,6 +197,23 @@ TEST(MemoryManager, EmptyCacheDropsReservedToAllocated) {
   mm.check_invariants();
 }
 
+TEST(MemoryManager, EmptyCacheOfOneTierLeavesTheOtherAndSaysWhatItGaveBack) {
+  MemoryManager mm(emulated());
+  void* hbm = mm.allocate(5 * kMiB, Tier::kHbm);
+  void* host = mm.allocate(3 * kMiB, Tier::kHost);
+  mm.free(hbm);
+  mm.free(host);
+  const int64_t hbm_cached = mm.stats(Tier::kHbm).reserved_bytes;
+  const int64_t host_cached = mm.stats(Tier::kHost).reserved_bytes;
+  ASSERT_GE(hbm_cached, int64_t(5 * kMiB));
+  EXPECT_EQ(mm.empty_cache(Tier::kHbm), size_t(hbm_cached));
+  EXPECT_EQ(mm.stats(Tier::kHbm).reserved_bytes, 0);
+  EXPECT_EQ(mm.stats(Tier::kHost).reserved_bytes, host_cached);
+  EXPECT_EQ(mm.empty_cache(Tier::kHbm), 0u);
+  EXPECT_EQ(mm.empty_cache(Tier::kHost), size_t(host_cached));
+  mm.check_invariants();
+}
+
 // ---- peaks ----
 
 TEST(MemoryManager, PeakTrackingAndReset) {
