@@ -159,11 +159,6 @@ class CudaBacking final : public Backing {
     DeviceScope scope(device_);
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, bytes);
-    if (err == cudaErrorMemoryAllocation && release_foreign_ != nullptr) {
-      (void)cudaGetLastError();
-      release_foreign_();
-      err = cudaMalloc(&p, bytes);
-    }
     if (err == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // not sticky: clear it so the retry starts clean
       return RawBlock{};
@@ -173,6 +168,12 @@ class CudaBacking final : public Backing {
     block.ptr = p;
     block.bytes = bytes;
     return block;
+  }
+
+  bool release_foreign() noexcept override {
+    if (release_foreign_ == nullptr) return false;
+    release_foreign_();
+    return true;
   }
 
   void release(const RawBlock& block) noexcept override {

@@ -2,7 +2,8 @@
 // NUMA-bound and CUDA-registered). No caching and no accounting here: TierAllocator does both.
 // allocate() returns a null block when the system is out of memory (so the caller can drop
 // its cache and retry) and throws std::runtime_error for any other failure; release() never
-// throws. Not thread-safe: each Backing is used under its TierAllocator's mutex.
+// throws. Not thread-safe: each Backing is used under its TierAllocator's mutex (but for
+// release_foreign()).
 #pragma once
 
 #include <cstddef>
@@ -38,6 +39,11 @@ class Backing {
   virtual void release(const RawBlock& block) noexcept = 0;
   // What the memory is, for error messages ("cudaMalloc on device 0", "host memory").
   virtual const char* name() const noexcept = 0;
+  // Asks another allocator of the same memory to give back what it caches (CUDA's caching
+  // allocator, MemoryConfig.release_foreign_cache); whether one was asked. Called WITHOUT the
+  // tier's mutex (the other allocator takes its own locks, and may take the GIL), so unlike
+  // the rest of a Backing it must be safe to call from any thread at any time.
+  virtual bool release_foreign() noexcept { return false; }
 };
 
 // hbm tier: cudaMalloc on config.device_index when config.cuda, else host memory (the

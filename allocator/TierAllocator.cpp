@@ -47,47 +47,58 @@ void* TierAllocator::try_allocate(size_t nbytes) { return allocate_impl(nbytes, 
 
 void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
   if (nbytes == 0) return nullptr;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (nbytes > kMaxRequest) {
-    if (quiet) return nullptr;
-    throw_oom(nbytes, nullptr);
-  }
-  const size_t rounded = round_size(nbytes);
+  // Out of system memory with nothing of ours left cached: another allocator of the same memory
+  // (CUDA's caching allocator) may hold what is missing. It is asked once, outside our mutex
+  // (it takes its own locks, and may take the GIL to record a trace; a thread holding the GIL
+  // may be freeing a block of ours), and the request starts over.
+  for (bool foreign_released = false;; foreign_released = true) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (nbytes > kMaxRequest) {
+      if (quiet) return nullptr;
+      throw_oom(nbytes, nullptr);
+    }
+    const size_t rounded = round_size(nbytes);
 
-  auto hit = cached_.lower_bound(rounded);
-  if (hit != cached_.end() && hit->first <= max_reusable_size(rounded)) {
-    const RawBlock raw = hit->second;
-    live_.emplace(raw.ptr, LiveBlock{raw, nbytes});  // may throw bad_alloc: nothing changed yet
-    cached_.erase(hit);
-    grow(as_i64(raw.bytes), as_i64(nbytes), 0);
-    stats_.num_allocs++;
-    stats_.num_cache_hits++;
-    return raw.ptr;
-  }
+    auto hit = cached_.lower_bound(rounded);
+    if (hit != cached_.end() && hit->first <= max_reusable_size(rounded)) {
+      const RawBlock raw = hit->second;
+      live_.emplace(raw.ptr, LiveBlock{raw, nbytes});  // may throw bad_alloc: nothing changed yet
+      cached_.erase(hit);
+      grow(as_i64(raw.bytes), as_i64(nbytes), 0);
+      stats_.num_allocs++;
+      stats_.num_cache_hits++;
+      return raw.ptr;
+    }
 
-  if (!make_room(rounded)) {
-    if (quiet) return nullptr;
-    throw_oom(nbytes, nullptr);
-  }
-  RawBlock raw = backing_->allocate(rounded);
-  if (raw.ptr == nullptr) {
-    // The system ran out before the budget did: what we cache may be what it lacks.
-    release_all_cached();
-    raw = backing_->allocate(rounded);
+    if (!make_room(rounded)) {
+      if (quiet) return nullptr;
+      throw_oom(nbytes, nullptr);
+    }
+    RawBlock raw = backing_->allocate(rounded);
     if (raw.ptr == nullptr) {
+      // The system ran out before the budget did: what we cache may be what it lacks.
+      release_all_cached();
+      raw = backing_->allocate(rounded);
+    }
+    if (raw.ptr == nullptr) {
+      if (!foreign_released) {
+        lock.unlock();
+        if (backing_->release_foreign()) continue;
+        lock.lock();
+      }
       if (quiet) return nullptr;
       throw_oom(nbytes, backing_->name());
     }
+    try {
+      live_.emplace(raw.ptr, LiveBlock{raw, nbytes});
+    } catch (...) {
+      backing_->release(raw);
+      throw;
+    }
+    grow(as_i64(rounded), as_i64(nbytes), as_i64(rounded));
+    stats_.num_allocs++;
+    return raw.ptr;
   }
-  try {
-    live_.emplace(raw.ptr, LiveBlock{raw, nbytes});
-  } catch (...) {
-    backing_->release(raw);
-    throw;
-  }
-  grow(as_i64(rounded), as_i64(nbytes), as_i64(rounded));
-  stats_.num_allocs++;
-  return raw.ptr;
 }
 
 bool TierAllocator::free(void* ptr) noexcept {

@@ -5,7 +5,8 @@
 //   S.reserved_bytes  = sum(live sizes) + sum(cached sizes) + S.external_bytes
 //   S.capacity_bytes == 0  or  S.reserved_bytes <= S.capacity_bytes
 //   S.active_allocations = |live| + live external accounts;  live and cached are disjoint
-// Thread-safety: every method locks the tier's mutex; the Backing is only used under it.
+// Thread-safety: every method locks the tier's mutex; the Backing is only used under it
+// (but for Backing::release_foreign(), called without it).
 #pragma once
 
 #include <cstddef>

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 
@@ -22,12 +23,20 @@ void add_storage(std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out, const a
 }
 
 // A contiguous host-tier tensor shaped like `grad`, of `dtype`, holding its values.
+// Note [The worker's temporaries are the executor's]: this runs on the engine's worker, on its
+// own streams, while backward goes on on the compute stream. A cast made on superchip tensors
+// would take an hbm block from the pool, which the compute stream may have freed a moment ago
+// with its kernels still queued (one stream: blocks are reused at once, and the worker is not
+// counted as a second stream); the cast would overwrite them. So the cast and the copy run on
+// executor aliases: the cast's memory comes from the executor's allocator, in the worker
+// stream's order (CUDA's caching allocator reuses a block only on the stream that freed it).
 at::Tensor host_snapshot(const at::Tensor& grad, at::ScalarType dtype) {
   if (grad.device().type() != c10::DeviceType::PrivateUse1) {
     return grad.to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
   }
   // Cast on the executor first (when asked), then move: one copy into the host tier.
-  const at::Tensor src = grad.scalar_type() == dtype ? grad : grad.to(dtype);
+  const at::Tensor g = executor_alias(grad, Access::kRead);
+  const at::Tensor src = g.scalar_type() == dtype ? g : g.to(dtype);
   const size_t nbytes = static_cast<size_t>(src.numel()) * src.element_size();
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
                        allocate_in_tier(nbytes, Tier::kHost, grad.device().index()),
@@ -36,7 +45,7 @@ at::Tensor host_snapshot(const at::Tensor& grad, at::ScalarType dtype) {
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), src.dtype());
   impl->set_sizes_contiguous(src.sizes());
   at::Tensor out(std::move(impl));
-  out.copy_(src);
+  copy_through_aliases(out, src);
   return out;
 }
 
@@ -49,9 +58,15 @@ bool same_hyper(const ops::AdamHyper& a, const ops::AdamHyper& b) {
 // Bitwise equality of a gradient and its snapshot (which may be its fp32 cast: exact).
 bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
   if (!grad.defined() || grad.sizes() != snap.sizes()) return false;
-  const at::Tensor g = (grad.scalar_type() == snap.scalar_type() ? grad : grad.to(snap.scalar_type())).contiguous();
-  const at::ScalarType bits = snap.element_size() == 4 ? at::kInt : at::kShort;
-  return at::equal(g.view(bits), snap.view(bits));
+  // On the worker: executor temporaries only (Note [The worker's temporaries are the executor's]).
+  const auto alias = [](const at::Tensor& t) {
+    return t.device().type() == c10::DeviceType::PrivateUse1 ? executor_alias(t, Access::kRead) : t;
+  };
+  const at::Tensor s = alias(snap);
+  const at::Tensor g0 = alias(grad);
+  const at::Tensor g = (g0.scalar_type() == s.scalar_type() ? g0 : g0.to(s.scalar_type())).contiguous();
+  const at::ScalarType bits = s.element_size() == 4 ? at::kInt : at::kShort;
+  return at::equal(g.view(bits), s.contiguous().view(bits));
 }
 
 }  // namespace

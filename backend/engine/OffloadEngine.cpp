@@ -160,12 +160,15 @@ void OffloadEngine::worker_loop() {
     const auto t0 = std::chrono::steady_clock::now();
     try {
       if (!err) item.second.run();
-      // Its GPU copies (snapshots, strided write-backs) end before the job counts as done.
-      if (!err) {
-        if (WorkerJobEnd end = job_end_.load(std::memory_order_acquire)) end(item.second.touched);
-      }
     } catch (...) {
       err = std::current_exception();
+    }
+    // Its GPU copies (snapshots, strided write-backs) end before the job counts as done, also
+    // when it failed part-way: the storages it touched are released to readers below.
+    try {
+      if (WorkerJobEnd end = job_end_.load(std::memory_order_acquire)) end(item.second.touched);
+    } catch (...) {
+      if (!err) err = std::current_exception();
     }
     const double secs = seconds_since(t0);
     // The job may have written these: the weight streamer's copies of them are stale (Note

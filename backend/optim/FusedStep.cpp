@@ -139,7 +139,9 @@ class ExecutorOperand {
     wait_pending(t);
     TORCH_CHECK(addressable(t), "superchip.optim: a tail bucket is stepped by the executor, but an operand is on ",
                 t.device(), "; tail buckets need superchip parameters and gradients (use tail_buckets=0).");
-    exec_ = t.is_contiguous() ? t : t.contiguous();
+    // A staging copy in the executor's memory, in the current stream's order, never a block of
+    // superchip's pool (Note [The worker's temporaries are the executor's], engine/AdamBucket.cpp).
+    exec_ = t.is_contiguous() ? t : executor_alias(t, Access::kRead).contiguous();
     staged_ = !t.is_contiguous();
   }
   void* data() const { return exec_.data_ptr(); }

@@ -79,6 +79,7 @@ struct DeviceStreams {
   std::atomic<bool> known{false};  // some block was allocated on the device (set once)
   std::atomic<c10::StreamId> first{0};
   std::atomic<bool> multi{false};
+  std::atomic<bool> switched{false};  // multi, and the first stream was synchronized since
 };
 
 struct StreamUses {
@@ -147,14 +148,17 @@ void note_allocation(void* ptr, c10::DeviceIndex device) noexcept {
     }
     if (cur.id() == d.first.load(std::memory_order_relaxed)) return;
     u.allocated_on.insert_or_assign(ptr, cur);
-    if (d.multi.load(std::memory_order_relaxed)) return;
+    if (d.switched.load(std::memory_order_acquire)) return;
     d.multi.store(true, std::memory_order_release);
     u.any_multi.store(true, std::memory_order_release);
     const c10::Stream first(c10::Stream::UNSAFE, cur.device(), d.first.load(std::memory_order_relaxed));
     g.unlock();
     // Blocks the first stream freed to the pool may still be in its queued kernels' hands,
-    // this one among them: it goes to the caller, and so to its stream, only after them.
+    // this one among them: it goes to the caller, and so to its stream, only after them. Until
+    // that wait has ended once, every allocation on another stream waits too (a second one
+    // while the first waits could be handed such a block).
     superchip_guard()->synchronizeStream(first);
+    d.switched.store(true, std::memory_order_release);
   } catch (...) {
   }
 }
@@ -212,10 +216,13 @@ void block_delete(void* ptr) noexcept {
       p.events.push_back({event, s.device_index(), s.id()});
       done = done && superchip_guard()->queryEvent(event);
     } catch (...) {
-      // Without an event the order cannot be kept lazily: wait for the stream instead.
+      // Without an event the order cannot be kept lazily: wait for the stream instead. When
+      // that fails too (a graph capture, a failing GPU) and an event was recorded, the block
+      // waits for it with the other pending ones rather than being reused at once.
       try {
         superchip_guard()->synchronizeStream(s);
       } catch (...) {
+        if (!p.events.empty() && p.events.back().event == event) done = false;
       }
     }
   }

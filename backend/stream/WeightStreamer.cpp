@@ -785,12 +785,14 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     std::lock_guard<std::mutex> lock(impl_->mu);
     Impl& d = *impl_;
     if (!d.enabled) return {};
+    // Weights only decide the device and (CUDA) the compute stream copies are ordered with:
+    // an activation read first on a side stream or another device used to pin those.
+    auto w = d.weights.find(s);
+    if (w == d.weights.end() || s->nbytes() < kMinBytes) return {};
     if (d.device < 0) d.device = s->device().index();
     if (s->device().index() != d.device) return {};  // another device's weight: in place
     // CUDA: copies we cannot order with the current stream are not made (StagingCopier.h).
     if (!d.copier().usable()) return {};
-    auto w = d.weights.find(s);
-    if (w == d.weights.end() || s->nbytes() < kMinBytes) return {};
     // Every weight's reads make the order (stationary ones too: the plan may demote them);
     // only those in host are staged.
     const bool host = d.in_host(s);

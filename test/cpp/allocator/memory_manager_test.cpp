@@ -1,7 +1,10 @@
 // Unit tests of MemoryManager / TierAllocator in emulated mode (both tiers are host memory).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -212,6 +215,71 @@ TEST(MemoryManager, EmptyCacheOfOneTierLeavesTheOtherAndSaysWhatItGaveBack) {
   EXPECT_EQ(mm.empty_cache(Tier::kHbm), 0u);
   EXPECT_EQ(mm.empty_cache(Tier::kHost), size_t(host_cached));
   mm.check_invariants();
+}
+
+// ---- another allocator's cache (Backing::release_foreign) ----
+
+// Host memory that is "full" while another allocator holds its cache; release_foreign() makes
+// that allocator give it back, and checks from another thread that the tier's mutex is free
+// meanwhile (CUDA's allocator takes its own locks and may take the GIL there).
+class ForeignCacheBacking final : public Backing {
+ public:
+  bool foreign_holds = true;
+  bool foreign_gives_back = true;
+  int releases = 0;
+  bool tier_unlocked_during_release = false;
+  TierAllocator* tier = nullptr;
+
+  RawBlock allocate(size_t bytes) override {
+    if (foreign_holds) return {};
+    RawBlock b;
+    b.ptr = std::aligned_alloc(kBlockAlignment, bytes);
+    b.bytes = bytes;
+    return b;
+  }
+  void release(const RawBlock& block) noexcept override { std::free(block.ptr); }
+  const char* name() const noexcept override { return "the fake device"; }
+  bool release_foreign() noexcept override {
+    releases++;
+    auto other = std::async(std::launch::async, [this] { (void)tier->stats(); });
+    tier_unlocked_during_release = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    if (foreign_gives_back) foreign_holds = false;
+    return true;
+  }
+};
+
+TEST(TierAllocator, AsksTheOtherAllocatorOnceOutsideItsLockWhenTheMemoryIsFull) {
+  auto owned = std::make_unique<ForeignCacheBacking>();
+  ForeignCacheBacking* backing = owned.get();
+  TierAllocator tier(Tier::kHbm, 0, 0, std::move(owned));
+  backing->tier = &tier;
+  void* p = tier.allocate(kMiB);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(backing->releases, 1);
+  EXPECT_TRUE(backing->tier_unlocked_during_release);
+  EXPECT_EQ(tier.stats().allocated_bytes, int64_t(kMiB));
+  EXPECT_EQ(tier.stats().num_ooms, 0);
+  tier.free(p);
+}
+
+TEST(TierAllocator, FailsNamingTheMemoryWhenTheOtherAllocatorHasNothingToGive) {
+  auto owned = std::make_unique<ForeignCacheBacking>();
+  ForeignCacheBacking* backing = owned.get();
+  backing->foreign_gives_back = false;
+  TierAllocator tier(Tier::kHbm, 0, 0, std::move(owned));
+  backing->tier = &tier;
+  EXPECT_EQ(tier.try_allocate(kMiB), nullptr);
+  EXPECT_EQ(backing->releases, 1);
+  EXPECT_EQ(tier.stats().num_ooms, 0);  // quiet: a caller with a fallback
+  try {
+    tier.allocate(kMiB);
+    FAIL() << "expected OutOfTierMemory";
+  } catch (const OutOfTierMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("the fake device has no more free memory"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(backing->releases, 2);  // once per request
+  EXPECT_TRUE(backing->tier_unlocked_during_release);
+  expect_idle(tier.stats());
 }
 
 // ---- peaks ----
