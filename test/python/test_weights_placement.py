@@ -705,6 +705,38 @@ def test_saving_a_checkpoint_mid_run_reads_host_weights_in_place():
     assert r["state"] == "streaming" and r["version"] == r["saved"]["version"], r
 
 
+def test_a_read_on_another_device_first_does_not_turn_streaming_off():
+    # Only a weight's read picks the staging device (and, on CUDA, the stream copies are
+    # ordered with). Before: the first read of anything did, so an activation made on
+    # superchip:1 before the model's first pass on superchip:0 left every weight of that model
+    # read in place, with no plan ("recording" forever, 0 copies).
+    r = _run("""
+        ref = mlp(512, 8)
+        model = mlp(512, 8).to("superchip:0")
+        other = torch.ones(4096, device="superchip:1") * 2
+        g = torch.Generator().manual_seed(1)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(4, 512, generator=g)
+            a = ref(x).square().mean()
+            a.backward(); o_ref.step(); o_ref.zero_grad()
+            b = model(x.to("superchip:0")).square().mean()
+            b.backward(); o.step(); o.zero_grad()
+            losses.append([a.item(), b.item()])
+        st = superchip.stream_stats()
+        print(json.dumps(dict(losses=losses, bitwise=same_params(ref, model), hits=st["hits"],
+                              peak0=superchip.memory_stats(0)["hbm.peak_allocated_bytes"],
+                              budget=superchip.memory_stats(0)["hbm.capacity_bytes"],
+                              param_bytes=param_bytes(ref), state=superchip.weights_plan()["state"])))
+    """, hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
+    assert r["param_bytes"] > 2 * r["budget"], r
+    assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
+    assert r["state"] == "streaming" and r["hits"] > 0, r
+    assert 0 < r["peak0"] <= r["budget"], r
+
+
 def test_a_model_on_the_second_device_is_staged_on_that_device():
     # Weights are staged on the device they live on (before: the arena and the copies were
     # taken from the current device, superchip:0, and a kernel on superchip:1 was handed
