@@ -22,8 +22,8 @@ Contract
 
 Where Inductor decides code-generation semantics by ``device.type == "cpu"`` rather than by the
 device's registered backend, superchip is treated as its executor: see ``patches.py``
-(torch-version guarded) for the places patched (two on the CPU executor, one more on the CUDA
-executor) and why.
+(torch-version guarded) for the places patched (three with either executor, one more with the
+CUDA executor) and why.
 """
 
 from __future__ import annotations

@@ -18,10 +18,18 @@ still compare the device type with a fixed list instead of asking the registrati
    ``device.type`` as the target Triton compiles for (``GPUTarget``), and Triton knows no
    "superchip" target. Superchip devices get CUDA device i's properties record instead.
 
-All three answer about the code generator, so for superchip they should answer as for its executor
+The first three answer about the code generator, so for superchip they should answer as for its executor
 (``"cpu"`` or ``"cuda"``); the patches below do exactly that and nothing for other devices.
 ``get_current_backend`` is imported by name into three modules besides its own, hence four
 rebinds.
+
+4. ``torch._inductor.ir.is_cpu(node)`` picks the realization thresholds (when a pointwise
+   result reused by several consumers, or one with many reads or a large inner function, is
+   stored instead of recomputed in each consumer): the CPU's or the GPU's. With the CPU
+   executor superchip got the GPU's: rotary-embedding cos/sin recomputed inside each consumer
+   kernel, other kernel groupings, so autocast-fp16 training differed from compiled CPU in the
+   last bits from the first step (seen by a user-flow probe). It answers as for the executor.
+   Only a heuristic: where a torch lacks the function, nothing is patched.
 
 Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
 non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
@@ -74,6 +82,7 @@ def apply() -> None:
         )
     _patch_get_current_backend()
     _patch_is_cpu()
+    _patch_ir_is_cpu()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
@@ -114,6 +123,22 @@ def _patch_is_cpu() -> None:
 
     is_cpu.__wrapped__ = original  # type: ignore[attr-defined]
     BaseSchedulerNode.is_cpu = is_cpu
+
+
+def _patch_ir_is_cpu() -> None:
+    from torch._inductor import ir
+
+    original = getattr(ir, "is_cpu", None)
+    get_device_type = getattr(ir, "get_device_type", None)
+    if original is None or get_device_type is None:
+        return  # a heuristic only (point 4 above): without it, the GPU's thresholds
+
+    def is_cpu(x) -> bool:
+        device_type = get_device_type(x)
+        return executor_type(device_type) == "cpu" if device_type == "superchip" else original(x)
+
+    is_cpu.__wrapped__ = original  # type: ignore[attr-defined]
+    ir.is_cpu = is_cpu
 
 
 def _patch_device_properties() -> None:
