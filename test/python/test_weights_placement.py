@@ -705,15 +705,13 @@ def test_saving_a_checkpoint_mid_run_reads_host_weights_in_place():
     assert r["state"] == "streaming" and r["version"] == r["saved"]["version"], r
 
 
-def test_a_read_on_another_device_first_does_not_turn_streaming_off():
-    # Only a weight's read picks the staging device (and, on CUDA, the stream copies are
-    # ordered with). Before: the first read of anything did, so an activation made on
-    # superchip:1 before the model's first pass on superchip:0 left every weight of that model
-    # read in place, with no plan ("recording" forever, 0 copies).
-    r = _run("""
+def _train_beside_sgd_on(device: str, before: str = "") -> str:
+    """A script: an 8-layer MLP on `device` trains 6 SGD steps beside the same on the CPU (after
+    `before` runs); prints losses, bitwise, stream hits and both devices' hbm peaks as JSON."""
+    return f"""
         ref = mlp(512, 8)
-        model = mlp(512, 8).to("superchip:0")
-        other = torch.ones(4096, device="superchip:1") * 2
+        model = mlp(512, 8).to("{device}")
+        {before}
         g = torch.Generator().manual_seed(1)
         o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
         o = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -722,15 +720,26 @@ def test_a_read_on_another_device_first_does_not_turn_streaming_off():
             x = torch.randn(4, 512, generator=g)
             a = ref(x).square().mean()
             a.backward(); o_ref.step(); o_ref.zero_grad()
-            b = model(x.to("superchip:0")).square().mean()
+            b = model(x.to("{device}")).square().mean()
             b.backward(); o.step(); o.zero_grad()
             losses.append([a.item(), b.item()])
         st = superchip.stream_stats()
         print(json.dumps(dict(losses=losses, bitwise=same_params(ref, model), hits=st["hits"],
+                              current=torch.superchip.current_device(),
                               peak0=superchip.memory_stats(0)["hbm.peak_allocated_bytes"],
+                              peak1=superchip.memory_stats(1)["hbm.peak_allocated_bytes"],
                               budget=superchip.memory_stats(0)["hbm.capacity_bytes"],
                               param_bytes=param_bytes(ref), state=superchip.weights_plan()["state"])))
-    """, hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
+    """
+
+
+def test_a_read_on_another_device_first_does_not_turn_streaming_off():
+    # Only a weight's read picks the staging device (and, on CUDA, the stream copies are
+    # ordered with). Before: the first read of anything did, so an activation made on
+    # superchip:1 before the model's first pass on superchip:0 left every weight of that model
+    # read in place, with no plan ("recording" forever, 0 copies).
+    r = _run(_train_beside_sgd_on("superchip:0", before='other = torch.ones(4096, device="superchip:1") * 2'),
+             hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
     assert r["param_bytes"] > 2 * r["budget"], r
     assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
     assert r["state"] == "streaming" and r["hits"] > 0, r
@@ -742,28 +751,7 @@ def test_a_model_on_the_second_device_is_staged_on_that_device():
     # taken from the current device, superchip:0, and a kernel on superchip:1 was handed
     # device 0's memory; on two GPUs, an illegal address). The staging device is the first
     # whose weight a read stages; another device's weights are read in place.
-    r = _run("""
-        ref = mlp(512, 8)
-        model = mlp(512, 8).to("superchip:1")
-        g = torch.Generator().manual_seed(1)
-        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(4, 512, generator=g)
-            a = ref(x).square().mean()
-            a.backward(); o_ref.step(); o_ref.zero_grad()
-            b = model(x.to("superchip:1")).square().mean()
-            b.backward(); o.step(); o.zero_grad()
-            losses.append([a.item(), b.item()])
-        st = superchip.stream_stats()
-        print(json.dumps(dict(losses=losses, bitwise=same_params(ref, model), hits=st["hits"],
-                              current=torch.superchip.current_device(),
-                              peak0=superchip.memory_stats(0)["hbm.peak_allocated_bytes"],
-                              peak1=superchip.memory_stats(1)["hbm.peak_allocated_bytes"],
-                              budget=superchip.memory_stats(1)["hbm.capacity_bytes"],
-                              param_bytes=param_bytes(ref), state=superchip.weights_plan()["state"])))
-    """, hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
+    r = _run(_train_beside_sgd_on("superchip:1"), hbm="4M", env={"SUPERCHIP_DEVICE_COUNT": "2"})
     assert r["current"] == 0 and r["param_bytes"] > 2 * r["budget"], r
     assert r["bitwise"] and all(a == b for a, b in r["losses"]), r
     assert r["state"] == "streaming" and r["hits"] > 0, r
