@@ -17,12 +17,6 @@ still compare the device type with a fixed list instead of asking the registrati
 3. (CUDA executor only, untested: no GPU in CI) ``DeviceProperties.create(device)`` records
    ``device.type`` as the target Triton compiles for (``GPUTarget``), and Triton knows no
    "superchip" target. Superchip devices get CUDA device i's properties record instead.
-
-The first three answer about the code generator, so for superchip they should answer as for its executor
-(``"cpu"`` or ``"cuda"``); the patches below do exactly that and nothing for other devices.
-``get_current_backend`` is imported by name into three modules besides its own, hence four
-rebinds.
-
 4. ``torch._inductor.ir.is_cpu(node)`` picks the realization thresholds (when a pointwise
    result reused by several consumers, or one with many reads or a large inner function, is
    stored instead of recomputed in each consumer): the CPU's or the GPU's. With the CPU
@@ -31,12 +25,18 @@ rebinds.
    last bits from the first step (seen by a user-flow probe). It answers as for the executor.
    Only a heuristic: where a torch lacks the function, nothing is patched.
 
+The first three answer about the code generator and the fourth picks a heuristic, so for
+superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
+do exactly that and nothing for other devices.
+``get_current_backend`` is imported by name into three modules besides its own, hence four
+rebinds.
+
 Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
 non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
 ``config.cpp.use_two_step_variance_threshold`` elements (LayerNorm statistics) use Welford
 instead of sum-then-divide, a division by a constant becomes a multiplication by its
-reciprocal (CPU keeps the division, pytorch#157959), realisation thresholds and tiny-matmul
-decompositions follow the GPU defaults, and max-autotune has no C++ GEMM template (ATen's mm
+reciprocal (CPU keeps the division, pytorch#157959), tiny-matmul decompositions follow the
+GPU defaults, and max-autotune has no C++ GEMM template (ATen's mm
 only). For the example GPT at the demo's size the generated code has the CPU's kernels,
 extern calls and allocations; the LayerNorm kernels differ as above, so results may differ
 from compiled CPU in the last bits. Matching those too would take copies of Inductor's
