@@ -19,6 +19,7 @@
 #include "backend/runtime/SuperchipGenerator.h"
 #include "backend/runtime/SuperchipGuard.h"
 #include "backend/runtime/StorageLease.h"
+#include "backend/stream/WeightStreamer.h"
 
 namespace py = pybind11;
 
@@ -128,6 +129,7 @@ PYBIND11_MODULE(_C, m) {
     const Tier target = tier_arg(tier);
     py::gil_scoped_release no_gil;
     move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+    WeightStreamer::get().note_placed_by_hand(t.storage().unsafeGetStorageImpl());
   });
   m.def("_default_generator", [](int device) {
     return default_generator(static_cast<c10::DeviceIndex>(device));

@@ -11,7 +11,7 @@ namespace py = pybind11;
 namespace superchip {
 namespace {
 
-// WeightStreamer::ApplyRequest: a plan has demotions; superchip schedules apply() before the
+// WeightStreamer::ApplyRequest: a plan has demotions or promotions; superchip schedules apply() before the
 // next module call (python/superchip/__init__.py). Runs inside an operator, which ATen's
 // Python bindings call with the GIL released: take it, as torch's own refcounting does.
 void schedule_apply() noexcept {
@@ -21,7 +21,7 @@ void schedule_apply() noexcept {
     try {
       py::module_::import("superchip").attr("_apply_stream_plan_at_next_module")();
     } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("superchip: scheduling the weight plan's demotions");
+      e.discard_as_unraisable("superchip: scheduling the weight plan's tier moves");
     }
   } catch (...) {
     // Nothing scheduled: the optimizer step hook still applies the plan in training loops.
@@ -77,13 +77,14 @@ void bind_stream(py::module& m) {
     d["activation_peak_bytes"] = p.activation_peak_bytes;
     d["staging_budget"] = p.staging_budget;
     d["demoted"] = p.demoted;
+    d["promoted"] = p.promoted;
     d["prefetch_depth"] = p.prefetch_depth;
     d["copy_bytes_per_s"] = p.copy_bytes_per_s;
     return d;
   });
   m.def("_stream_set_enabled", [](bool on) { WeightStreamer::get().set_enabled(on); });
   m.def("_stream_enabled", [] { return WeightStreamer::get().enabled(); });
-  m.def("_stream_apply", [] { WeightStreamer::get().apply(); });
+  m.def("_stream_apply", [] { return WeightStreamer::get().apply(); });
   m.def("_stream_replan", [] { WeightStreamer::get().replan(); });
   m.def("_stream_release", [] { WeightStreamer::get().release_staging(); });
 }

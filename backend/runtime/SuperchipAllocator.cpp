@@ -544,18 +544,33 @@ Tier storage_tier(const c10::StorageImpl& storage) {
   return Tier::kHbm;  // empty storages (where they would allocate)
 }
 
-void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
-  if (storage_tier(storage) == tier) return;
-  check_no_lease(storage, "superchip.move_to_tier");
-  wait_for_engine_jobs(storage);
-  const c10::DeviceIndex device = storage.device().index();
+// Copies the bytes of `storage` into `fresh` (a block of `tier`) and swaps them in.
+static void swap_in(c10::StorageImpl& storage, c10::DataPtr fresh, Tier tier) {
   const size_t nbytes = storage.nbytes();
-  c10::DataPtr fresh = allocate_in_tier(nbytes, tier, device);  // may raise: nothing changed yet
-  if (nbytes > 0) memory(device).copy(fresh.get(), storage.data(), nbytes);
+  if (nbytes > 0) memory(storage.device().index()).copy(fresh.get(), storage.data(), nbytes);
   WeightStreamer::get().note_written(&storage);
   // The old DataPtr is released when `old` leaves scope, after the swap.
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
   if (tier == Tier::kHost) WeightStreamer::get().note_moved_to_host(&storage);
+}
+
+void move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
+  if (storage_tier(storage) == tier) return;
+  check_no_lease(storage, "superchip.move_to_tier");
+  wait_for_engine_jobs(storage);
+  // May raise: nothing changed yet.
+  swap_in(storage, allocate_in_tier(storage.nbytes(), tier, storage.device().index()), tier);
+}
+
+bool try_move_storage_to_tier(c10::StorageImpl& storage, Tier tier) {
+  if (storage_tier(storage) == tier) return true;
+  if (storage_has_lease(storage)) return false;
+  wait_for_engine_jobs(storage);
+  const c10::DeviceIndex device = storage.device().index();
+  void* p = storage.nbytes() > 0 ? memory(device).try_allocate(storage.nbytes(), tier) : nullptr;
+  if (p == nullptr && storage.nbytes() > 0) return false;
+  swap_in(storage, block_data_ptr(p, device), tier);
+  return true;
 }
 
 void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {

@@ -81,6 +81,10 @@ Tier storage_tier(const c10::StorageImpl& storage);
 // Replaces the bytes of `storage` in place by a copy in `tier` (no-op when already there).
 // Every tensor and view over the storage follows. Strong guarantee: on error nothing changed.
 void move_storage_to_tier(c10::StorageImpl& storage, Tier tier);
+// As move_storage_to_tier(), but false (nothing changed, no error counted) when `tier` has no
+// room for it now or a collective holds its bytes: for a caller with a fallback (the weight
+// streamer's promotions).
+bool try_move_storage_to_tier(c10::StorageImpl& storage, Tier tier);
 
 // Grows or shrinks a superchip storage to nbytes, keeping its tier and its leading bytes.
 void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes);

@@ -77,6 +77,19 @@
 // stationary weights. A weight also read whole (a tied LM head) is in the order as usual;
 // its row reads still read in place.
 //
+// Note [Promotions]
+// Where a weight lives is decided when it arrives (Note [Placement]): hbm up to its weights
+// limit, then host. What hbm held then may be gone by the first pass: a state dict loaded onto
+// the device before the model was moved there, then deleted, left every weight in host, each
+// streamed twice a step while hbm stood empty. So the plan also promotes: when hbm, as it is
+// when the plan is made (at the start of a pass in a training loop: weights, optimizer state,
+// the batch), is under the weights limit, the streamed weights that fit beneath it move back to
+// hbm, as long as the arena for those still streamed keeps its least room. Never a weight the
+// user placed by hand (superchip.move_to_tier), which the plan does not demote either. Applied
+// with the demotions, between operators (apply()); one hbm cannot take now (activations of the
+// pass in which the plan was made) is tried again at the next apply(), up to kApplyTries times,
+// and the arena is reserved once none is left to try.
+//
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
 // Every write path marks the copy stale: a kernel given the storage to write (AliasSet, when it
@@ -95,6 +108,7 @@ constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
+constexpr int kApplyTries = 4;       // Note [Promotions]
 
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
@@ -235,6 +249,7 @@ struct WeightStreamer::Impl {
   struct Weight {
     c10::weak_intrusive_ptr<c10::StorageImpl> weak;
     uint64_t marked;  // value of `marks` that marked it
+    bool by_hand = false;  // placed by superchip.move_to_tier: the plan never moves it
   };
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
@@ -249,6 +264,7 @@ struct WeightStreamer::Impl {
   // Recording.
   std::vector<const c10::StorageImpl*> trace;
   std::vector<size_t> trace_bytes;
+  std::vector<size_t> trace_hbm;  // hbm allocated at each read, staging excluded
   std::unordered_map<PairKey, std::vector<size_t>, PairHash> trace_pairs;  // -> positions of the 2nd
   size_t rec_base = 0;  // both tiers' allocated bytes when recording began
   size_t rec_peak = 0;  // their peak while recording, staging excluded
@@ -271,7 +287,10 @@ struct WeightStreamer::Impl {
   size_t activation_peak = 0;
   std::shared_ptr<Arena> arena;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;  // applied by apply()
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> promote;  // applied by apply()
   int64_t demoted = 0;
+  int64_t promoted = 0;
+  int apply_tries = 0;  // apply() calls that found promotions hbm had no room for yet
   int64_t version = 0;
   int64_t period = 0;  // periods completed while streaming
   size_t period_reads = 0;
@@ -310,6 +329,7 @@ struct WeightStreamer::Impl {
     state = State::kRecording;
     trace.clear();
     trace_bytes.clear();
+    trace_hbm.clear();
     trace_pairs.clear();
     rec_peak = 0;
     rec_base = both_tiers_allocated();
@@ -342,7 +362,81 @@ struct WeightStreamer::Impl {
     }
   }
 
+  size_t hbm_allocated() {
+    const auto total = static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes);
+    const auto staging = static_cast<size_t>(st.staging_bytes);
+    return total > staging ? total - staging : 0;
+  }
+
   void sample_peak() { rec_peak = std::max(rec_peak, both_tiers_allocated()); }
+
+  bool by_hand(const c10::StorageImpl* s) const {
+    auto w = weights.find(s);
+    return w != weights.end() && w->second.by_hand;
+  }
+
+  // The arena the streamed weights of `order` need: `need`, room for all of their copies at
+  // once; `least`, for the largest two consecutive reads (the smallest useful arena).
+  struct ArenaNeed {
+    size_t need = 0;
+    size_t least = 0;
+    size_t streamed_bytes = 0;
+  };
+  ArenaNeed arena_need(const std::unordered_set<const c10::StorageImpl*>& streamed) {
+    ArenaNeed a;
+    for (size_t k = 0; k < order.size(); ++k) {
+      const Item& it = order[k];
+      if (streamed.count(it.s) && first[it.s] == k) {
+        a.need += it.nbytes + 256;
+        a.streamed_bytes += it.nbytes;
+      }
+      const Item& b = order[(k + 1) % order.size()];
+      size_t bytes = streamed.count(it.s) ? it.nbytes + 256 : 0;
+      if (b.s != it.s && streamed.count(b.s)) bytes += b.nbytes + 256;
+      a.least = std::max(a.least, bytes);
+    }
+    return a;
+  }
+
+  // Promotions (Note [Promotions]): streamed weights the plan moves back to hbm, as
+  // `.to("superchip")` would place them beside what hbm holds between passes (`low`): under
+  // the weights limit, leaving `free_low` room for at least the arena of the weights still
+  // streamed. Those read most often in a pass first (a tied weight), then the largest. Returns
+  // the arena need of what stays streamed; `streamed` loses the promoted weights and
+  // `free_low` their bytes.
+  ArenaNeed plan_promotions(std::unordered_set<const c10::StorageImpl*>& streamed, size_t low,
+                            size_t& free_low, ArenaNeed a) {
+    const size_t limit = mm().weights_limit();
+    if (limit <= low) return a;
+    const size_t room = limit - low;
+    std::unordered_map<const c10::StorageImpl*, int> reads;
+    for (const Item& it : order) reads[it.s]++;
+    std::vector<const Item*> cands;
+    for (size_t k = 0; k < order.size(); ++k) {
+      const Item& it = order[k];
+      if (streamed.count(it.s) && first[it.s] == k && !by_hand(it.s) && !it.weak.expired()) {
+        cands.push_back(&it);
+      }
+    }
+    std::sort(cands.begin(), cands.end(), [&](const Item* x, const Item* y) {
+      return reads[x->s] != reads[y->s] ? reads[x->s] > reads[y->s] : x->nbytes > y->nbytes;
+    });
+    size_t taken = 0;
+    for (const Item* c : cands) {
+      if (taken + c->nbytes > room || taken + c->nbytes > free_low) continue;
+      streamed.erase(c->s);
+      const ArenaNeed left = arena_need(streamed);
+      if (left.need > 0 && taken + c->nbytes + left.least > free_low) {
+        streamed.insert(c->s);
+        continue;
+      }
+      taken += c->nbytes;
+      promote.push_back(c->weak);
+      a = left;
+    }
+    free_low -= taken;
+    return a;
+  }
 
   void make_plan(size_t from) {
     order.clear();
@@ -364,6 +458,7 @@ struct WeightStreamer::Impl {
     activation_peak = rec_peak > rec_base ? rec_peak - rec_base : 0;
     arena.reset();
     demote.clear();
+    promote.clear();
     // Streamed: the weights in host. Stationary: those in hbm; while hbm has too little free
     // room for the smallest useful staging (the two largest consecutive streamed reads), the
     // largest stationary weights are demoted to host (at the next safe point: apply()).
@@ -389,54 +484,54 @@ struct WeightStreamer::Impl {
     std::sort(row_only.begin(), row_only.end(), [](const Item& a, const Item& b) { return a.nbytes > b.nbytes; });
     std::vector<const Item*> candidates;
     for (const Item& r : row_only) {
-      if (!in_host(r.s)) candidates.push_back(&r);
+      if (!in_host(r.s) && !by_hand(r.s)) candidates.push_back(&r);
     }
     const size_t rows_first = candidates.size();
-    candidates.insert(candidates.end(), stationary.begin(), stationary.end());
-    const auto hbm_used = static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes) -
-                          std::min(static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes),
-                                   static_cast<size_t>(st.staging_bytes));
+    for (const Item* it : stationary) {
+      if (!by_hand(it->s)) candidates.push_back(it);
+    }
+    const size_t hbm_used = hbm_allocated();
     const size_t margin = plan_capacity / 32;
     size_t freed = 0;
     size_t next_demote = 0;
-    size_t need = 0;  // the streamed copies' arena bytes
+    size_t free_now = 0;
+    ArenaNeed a;
     for (;;) {
-      need = 0;
-      streamed_bytes = 0;
-      for (const Item& it : order) {
-        if (streamed.count(it.s) && first[it.s] == static_cast<size_t>(&it - order.data())) {
-          need += it.nbytes + 256;
-          streamed_bytes += it.nbytes;
-        }
-      }
-      size_t least = 0;
-      for (size_t k = 0; k < order.size(); ++k) {
-        const Item& a = order[k];
-        const Item& b = order[(k + 1) % order.size()];
-        size_t bytes = streamed.count(a.s) ? a.nbytes + 256 : 0;
-        if (b.s != a.s && streamed.count(b.s)) bytes += b.nbytes + 256;
-        least = std::max(least, bytes);
-      }
-      if (plan_capacity == 0) {
-        staging_budget = need;
-        break;
-      }
+      a = arena_need(streamed);
+      if (plan_capacity == 0) break;
       const size_t avail = plan_capacity + freed;
-      const size_t free_now = avail > hbm_used + margin ? avail - hbm_used - margin : 0;
-      if (free_now >= least || next_demote == candidates.size()) {
-        // Room for the activations' measured peak first, then for staging, at least `least`.
-        size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
-        staging_budget = std::min(std::min(std::max(want, least), need), free_now);
-        break;
-      }
+      free_now = avail > hbm_used + margin ? avail - hbm_used - margin : 0;
+      if (free_now >= a.least || next_demote == candidates.size()) break;
       const bool row_read = next_demote < rows_first;  // read in place: nothing to stage
       const Item* d = candidates[next_demote++];
       if (!row_read) streamed.insert(d->s);
       demote.push_back(d->weak);
       freed += d->nbytes;
     }
+    if (demote.empty() && plan_capacity > 0) {
+      // What hbm holds between passes: its least over the period just recorded, which begins
+      // after a whole period of reads (an optimizer's state, made by the first step, is in).
+      size_t low = hbm_used;
+      for (size_t i = from; i < trace_hbm.size(); ++i) low = std::min(low, trace_hbm[i]);
+      size_t free_low = plan_capacity > low + margin ? plan_capacity - low - margin : 0;
+      const size_t streamed_before = a.streamed_bytes;
+      a = plan_promotions(streamed, low, free_low, a);
+      // Promoted: the arena is sized from hbm between passes, as the weights were.
+      if (a.streamed_bytes != streamed_before) free_now = free_low;
+    }
+    streamed_bytes = a.streamed_bytes;
+    if (plan_capacity == 0) {
+      staging_budget = a.need;
+    } else {
+      // Room for the activations' measured peak first, then for staging, at least `least`.
+      const size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
+      staging_budget = std::min(std::min(std::max(want, a.least), a.need), free_now);
+    }
+    const size_t need = a.need;
     demoted = static_cast<int64_t>(demote.size());
-    if (demote.empty()) allocate_arena();
+    promoted = static_cast<int64_t>(promote.size());
+    apply_tries = 0;
+    if (demote.empty() && promote.empty()) allocate_arena();
     else apply_wanted.store(true, std::memory_order_relaxed);
     // Depth: upcoming reads whose distinct streamed copies fit in the arena with the one in use.
     // Per position: one large pair that does not fit (an MLP's last weight, then the LM head)
@@ -466,6 +561,7 @@ struct WeightStreamer::Impl {
     period_misses = 0;
     trace.clear();
     trace_bytes.clear();
+    trace_hbm.clear();
     trace_pairs.clear();
     state = State::kStreaming;
   }
@@ -502,11 +598,13 @@ struct WeightStreamer::Impl {
     }
     trace.push_back(s);
     trace_bytes.push_back(nbytes);
+    trace_hbm.push_back(hbm_allocated());
     if (prev != nullptr) trace_pairs[PairKey(prev, s)].push_back(trace.size() - 1);
     if (trace.size() >= kMaxTrace) {
       state = State::kUnplanned;
       trace.clear();
       trace_bytes.clear();
+    trace_hbm.clear();
       trace_pairs.clear();
     }
   }
@@ -756,6 +854,12 @@ bool WeightStreamer::following_live_plan() {
   return true;
 }
 
+void WeightStreamer::note_placed_by_hand(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->weights.find(storage);
+  if (it != impl_->weights.end() && !it->second.weak.expired()) it->second.by_hand = true;
+}
+
 void WeightStreamer::note_moved_to_host(const c10::StorageImpl* storage) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->enabled && impl_->weights.count(storage)) impl_->active.store(true, std::memory_order_release);
@@ -931,12 +1035,16 @@ void WeightStreamer::set_apply_request_hook(ApplyRequest hook) {
   impl_->apply_hook.store(hook, std::memory_order_release);
 }
 
-void WeightStreamer::apply() {
+bool WeightStreamer::apply() {
   impl_->apply_wanted.store(false, std::memory_order_relaxed);
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> promote;
+  int64_t version = 0;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     demote.swap(impl_->demote);
+    promote.swap(impl_->promote);
+    version = impl_->version;
   }
   for (const auto& w : demote) {
     c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
@@ -948,8 +1056,20 @@ void WeightStreamer::apply() {
       // host is full or a collective holds the bytes: the weight stays in hbm.
     }
   }
+  // Note [Promotions]: what hbm cannot take now is tried again later.
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> left;
+  for (const auto& w : promote) {
+    c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
+    if (s && !try_move_storage_to_tier(*s, Tier::kHbm)) left.push_back(w);
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->version != version) return false;  // a new plan, with its own promotions
+  if (!left.empty() && ++impl_->apply_tries < kApplyTries) {
+    impl_->promote = std::move(left);
+    return true;
+  }
   if (impl_->state == State::kStreaming) impl_->allocate_arena();
+  return false;
 }
 
 void WeightStreamer::replan() {
@@ -1022,6 +1142,7 @@ StreamPlan WeightStreamer::plan() {
     if (!it.weak.expired()) p.row_reads.push_back({it.s, it.nbytes, d.in_host(it.s)});
   }
   p.demoted = d.demoted;
+  p.promoted = d.promoted;
   p.streamed_bytes = d.streamed_bytes;
   p.hbm_capacity = d.plan_capacity;
   p.activation_peak_bytes = d.activation_peak;

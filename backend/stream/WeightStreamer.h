@@ -19,7 +19,9 @@
 //    consecutive streamed reads) and the prefetch window the arena allows. When hbm has too
 //    little free for that least arena, the plan demotes the largest stationary weights to host
 //    (applied between operators: apply(), before the next module call or after the optimizer
-//    step), so they are streamed too. Float input batches copied in while passes run are
+//    step), so they are streamed too. When hbm is under its weights limit, it promotes
+//    streamed weights back to hbm instead (Note [Promotions]); weights the user moved by hand
+//    (move_to_tier) are neither demoted nor promoted. Float input batches copied in while passes run are
 //    marked too, but never enter the order (Note [Inputs are not weights]). While streaming, each read
 //    advances a cursor through the order, stages the next weights of the window ahead of use
 //    (a copier thread in emulated mode) and releases staged copies that left the window. The
@@ -91,6 +93,7 @@ struct StreamPlan {
   int prefetch_depth = 0;              // upcoming reads kept staged from every position of
                                        // the order (the least: more where copies are smaller)
   int64_t demoted = 0;                 // stationary weights this plan moved to host
+  int64_t promoted = 0;                // streamed weights this plan moved to hbm
   double copy_bytes_per_s = 0.0;       // measured staging copy rate (0 before any copy)
 };
 
@@ -110,6 +113,9 @@ class WeightStreamer {
   bool following_live_plan();
   // A storage moved to host (move_to_tier): streaming starts if it is a weight.
   void note_moved_to_host(const c10::StorageImpl* storage);
+  // The user moved `storage` by hand (superchip.move_to_tier): if it is a weight, no plan
+  // moves it again (Note [Promotions] in WeightStreamer.cpp).
+  void note_placed_by_hand(const c10::StorageImpl* storage);
   // For a superchip storage a kernel is about to read: a DataPtr (device `executor_device`)
   // over a staged copy, or an empty DataPtr to read in place. Call after the engine's
   // wait_for_storage(). The DataPtr pins the copy until it is released.
@@ -129,11 +135,12 @@ class WeightStreamer {
   void set_enabled(bool enabled);
   bool enabled() const noexcept;
   // Applies what the plan decided but an operator could not do: demotes the stationary weights
-  // it chose to stream (so the staging arena fits) and reserves the arena. Call between
-  // operators, from a thread that may hold the GIL (Python's module pre-hook and optimizer
-  // step hook do).
-  void apply();
-  // Called once per plan that has demotions, on the operator thread that made it, after the
+  // it chose to stream (so the staging arena fits), promotes the streamed weights hbm has room
+  // for, and reserves the arena. Returns true when a promotion found no room in hbm now and
+  // is to be tried again: call apply() again at the next safe point. Call between operators,
+  // from a thread that may hold the GIL (Python's module pre-hook and optimizer step hook do).
+  bool apply();
+  // Called once per plan that has demotions or promotions, on the operator thread that made it, after the
   // streamer's lock is released: it asks for apply() at the next safe point (the Python layer
   // schedules it before the next module call, so inference-only loops get it too).
   using ApplyRequest = void (*)() noexcept;

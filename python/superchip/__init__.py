@@ -152,7 +152,9 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
     ``hbm_capacity`` (the budget planned for), ``activation_peak_bytes`` (what activations and
     gradients took, in both tiers, measured while recording), ``staging_budget`` (the staging
     arena reserved in hbm), ``prefetch_depth`` (upcoming reads kept
-    staged from every read: the least; more where the copies are smaller), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
+    staged from every read: the least; more where the copies are smaller), ``demoted`` and
+    ``promoted`` (weights this plan moved to host, and back to hbm: Note [Promotions] in
+    backend/stream/WeightStreamer.cpp), ``copy_bytes_per_s`` (measured), and ``order``: one dict per read of a pass, in
     order, with ``bytes``, ``streamed`` (in host, staged ahead of use; else stationary in hbm)
     and, when ``model`` is given, ``names`` (the parameters and buffers
     of ``model`` over that storage; tied weights list every name). ``row_reads`` lists, in the
@@ -177,11 +179,13 @@ _demotion_hook = None
 
 
 def _apply_stream_plan(optimizer, args, kwargs) -> None:
-    # Between operators: the plan's demotions and its staging arena (WeightStreamer::apply).
-    # Done here, so the module hook goes too (while it is on, torch.compile(module) warns
-    # about global module hooks at every call).
+    # Between operators: the plan's demotions, promotions and its staging arena
+    # (WeightStreamer::apply). Done here, so the module hook goes too (while it is on,
+    # torch.compile(module) warns about global module hooks at every call), unless a promotion
+    # found no room yet: the next module call tries again.
     _remove_demotion_hook()
-    _C._stream_apply()
+    if _C._stream_apply():
+        _apply_stream_plan_at_next_module()
 
 
 def _remove_demotion_hook() -> None:
@@ -192,10 +196,10 @@ def _remove_demotion_hook() -> None:
 
 
 def _apply_stream_plan_at_next_module() -> None:
-    # Called by the streamer when a new plan has demotions (WeightStreamer::ApplyRequest): they
-    # are applied between operators, before the next module call, so inference-only loops get
-    # them too (training loops also reach the optimizer step hook). One-shot: no hook stays on
-    # every module call.
+    # Called by the streamer when a new plan moves weights between tiers
+    # (WeightStreamer::ApplyRequest): the moves are applied between operators, before the next
+    # module call, so inference-only loops get them too (training loops also reach the
+    # optimizer step hook). One-shot: no hook stays on every module call.
     global _demotion_hook
     if _demotion_hook is None:
         _demotion_hook = torch.nn.modules.module.register_module_forward_pre_hook(_demote_before_module)
@@ -205,7 +209,8 @@ def _demote_before_module(module, args) -> None:
     if torch.compiler.is_compiling():
         return None  # traced code holds no bytes: the next eager module call applies
     _remove_demotion_hook()
-    _C._stream_apply()
+    if _C._stream_apply():
+        _apply_stream_plan_at_next_module()
     return None
 
 

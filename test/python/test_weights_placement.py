@@ -303,6 +303,51 @@ def test_inference_only_loop_applies_the_plans_demotions():
     assert st["staging_peak_bytes"] <= plan["staging_budget"] and r["peak_hbm"] <= r["budget"], r
 
 
+def test_weights_placed_in_host_come_back_when_hbm_frees(tmp_path):
+    # Note [Promotions] in stream/WeightStreamer.cpp: a state dict loaded onto the device first
+    # fills hbm, so the model moved there next is placed mostly in host; once the state dict is
+    # gone, the plan moves the streamed weights back to hbm (under its weights limit), except
+    # one the user moved to host by hand. Before, every one of them streamed at every step.
+    path = tmp_path / "sd.pt"
+    r = _run(textwrap.dedent(_STREAM) + textwrap.dedent(f"""
+        ref = llama()
+        torch.save(ref.state_dict(), {str(path)!r})
+        sd = torch.load({str(path)!r}, map_location="superchip")
+        torch.manual_seed(7)
+        model = LlamaForCausalLM(ref.config).to("superchip")
+        model.load_state_dict(sd)
+        del sd
+        host_placed = [n for n, p in model.named_parameters() if superchip.tier_of(p) == "host"]
+        superchip.move_to_tier(model.lm_head.weight, "host")
+        # Plain SGD keeps no state: what hbm holds between passes is the weights in it.
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        same = train(ref, o_ref, 4) == train(model, o, 4)
+        st0 = superchip.stream_stats()
+        same_after = train(ref, o_ref, 3, seed=2) == train(model, o, 3, seed=2)
+        st1 = superchip.stream_stats()
+        plan = superchip.weights_plan(model)
+        streamed = sorted({{n for e in plan["order"] if e["streamed"] for n in e["names"]}})
+        s = superchip.memory_stats()
+        print(json.dumps(dict(host_placed=host_placed, same=same, same_after=same_after,
+                              bitwise=same_params(ref, model), promoted=plan["promoted"],
+                              demoted=plan["demoted"], state=plan["state"], streamed=streamed,
+                              host_now=[n for n, p in model.named_parameters() if superchip.tier_of(p) == "host"],
+                              staged_late=st1["staged_bytes"] - st0["staged_bytes"],
+                              lm_head_bytes=model.lm_head.weight.numel() * 4,
+                              peak=s["hbm.peak_allocated_bytes"], cap=s["hbm.capacity_bytes"],
+                              hbm_weights=sum(p.numel() * 4 for p in model.parameters() if superchip.tier_of(p) == "hbm"),
+                              limit=0.8 * s["hbm.capacity_bytes"])))
+    """), hbm="4M")
+    assert len(r["host_placed"]) > 10, r  # the state dict took hbm first
+    assert r["same"] and r["same_after"] and r["bitwise"], r
+    assert r["state"] == "streaming" and r["promoted"] > 0 and r["demoted"] == 0, r
+    # Every weight is back in hbm but the one moved to host by hand, which alone streams.
+    assert r["host_now"] == ["lm_head.weight"] and r["streamed"] == ["lm_head.weight"], r
+    assert r["staged_late"] <= 2 * 3 * r["lm_head_bytes"], r
+    assert r["hbm_weights"] <= r["limit"] and r["peak"] <= r["cap"], r
+
+
 def test_float_input_batches_do_not_keep_the_plan_from_forming():
     # Note [Inputs are not weights]: a float batch copied in each step (x.to("superchip")) is
     # marked like a weight; it must not enter the recorded order, or no two passes look alike
