@@ -147,7 +147,7 @@ def main():
             f"after the plan); step {r['step'] * 1e3:.1f} ms; hbm peak {r['peak_hbm'] / mib:.2f} MiB; "
             f"spills/step {r['spills_per_step']:.0f}")
         out(f"    plan {p['state']} v{p['version']}: {r['streamed_weights']} streamed reads/pass, arena "
-            f"{p['staging_budget'] / mib:.2f} MiB, depth {p['prefetch_depth']}, {p['demoted']} demoted; "
+            f"{p['staging_budget'] / mib:.2f} MiB, depth {p['prefetch_depth']}, {p['demoted']} demoted, {p['promoted']} promoted; "
             f"streamed/step {r['streamed_bytes_per_step'] / mib:.2f} MiB, staging peak "
             f"{r['staging_peak_bytes'] / mib:.2f} MiB; per step: {r['prefetch_hits_per_step']:.0f} prefetched "
             f"reads, {r['staged_at_use_per_step']:.0f} copied at use, {r['in_place_reads_per_step']:.0f} in place")
