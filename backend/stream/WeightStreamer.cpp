@@ -86,9 +86,10 @@
 // the batch), is under the weights limit, the streamed weights that fit beneath it move back to
 // hbm, as long as the arena for those still streamed keeps its least room. Never a weight the
 // user placed by hand (superchip.move_to_tier), which the plan does not demote either. Applied
-// with the demotions, between operators (apply()); one hbm cannot take now (activations of the
-// pass in which the plan was made) is tried again at the next apply(), up to kApplyTries times,
-// and the arena is reserved once none is left to try.
+// with the demotions, between operators (apply()); one hbm cannot take now is tried again after
+// the engine's queued steps ran (they hold the last step's gradients), then at the next apply()
+// (activations of the pass in which the plan was made), up to kApplyTries times; the arena is
+// reserved once none is left to try.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
@@ -1056,12 +1057,22 @@ bool WeightStreamer::apply() {
       // host is full or a collective holds the bytes: the weight stays in hbm.
     }
   }
-  // Note [Promotions]: what hbm cannot take now is tried again later.
+  // Note [Promotions]: what hbm cannot take now is tried again once the optimizer's queued
+  // steps have run (their jobs hold the last step's gradients), then at a later apply().
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> left;
-  for (const auto& w : promote) {
-    c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
-    if (s && !try_move_storage_to_tier(*s, Tier::kHbm)) left.push_back(w);
+  for (int round = 0; round < 2 && !promote.empty(); ++round) {
+    if (round == 1) {
+      OffloadEngine::get().synchronize();
+      OffloadEngine::get().release_finished();
+    }
+    left.clear();
+    for (const auto& w : promote) {
+      c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
+      if (s && !try_move_storage_to_tier(*s, Tier::kHbm)) left.push_back(w);
+    }
+    promote.swap(left);
   }
+  left.swap(promote);
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->version != version) return false;  // a new plan, with its own promotions
   if (!left.empty() && ++impl_->apply_tries < kApplyTries) {

@@ -256,6 +256,11 @@ class Engine:
         self._end_step(stepped=True)
 
     def _end_step(self, stepped: bool) -> None:
+        # The gradients compared at step() are not needed past it; holding them (the
+        # speculations stay in `outstanding` until the next backward) kept the last step's
+        # gradients alive, in hbm, through the next forward beside its activations.
+        for s in self.specs.values():
+            s.grads = None
         self.specs = {}
         self.fired = {}
         self.ready = {}
