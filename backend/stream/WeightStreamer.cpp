@@ -1106,15 +1106,26 @@ void WeightStreamer::release_staging() {
   std::vector<std::shared_ptr<Entry>> dead;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    for (auto it = impl_->staged.begin(); it != impl_->staged.end();) {
+    Impl& d = *impl_;
+    for (auto it = d.staged.begin(); it != d.staged.end();) {
       if (it->second.use_count() == 1) {
-        impl_->drop(it->second);
-        it = impl_->staged.erase(it);
+        d.drop(it->second);
+        it = d.staged.erase(it);
       } else {
         ++it;
       }
     }
-    dead.swap(impl_->graveyard);
+    // A plan whose weights died (the model was deleted) would keep its arena in hbm until the
+    // next weight read: it goes now, with the plan (the next reads record anew).
+    bool plan_dead = false;
+    for (const auto& it : d.order) plan_dead |= it.weak.expired();
+    if (plan_dead) {
+      d.replans_in_row = 0;
+      d.last = nullptr;
+      d.start_recording();  // drops the arena: freed with its last copy, in `dead`
+      d.state = State::kIdle;
+    }
+    dead.swap(d.graveyard);
   }
 }
 

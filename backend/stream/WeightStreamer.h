@@ -147,7 +147,8 @@ class WeightStreamer {
   void set_apply_request_hook(ApplyRequest hook);
   // Forgets the plan: the next reads record again.
   void replan();
-  // Waits for copies in flight and releases every staged copy not in use.
+  // Waits for copies in flight and releases every staged copy not in use; when a weight of
+  // the plan died (a deleted model), the plan and its arena go too.
   void release_staging();
 
   // fork() (Note [Fork] in register/Fork.cpp): waits for the copies in flight and keeps new

@@ -101,7 +101,10 @@ def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
 
 
 def empty_cache() -> None:
-    """Returns the cached, unused blocks of every tier to the system (staged weights too)."""
+    """Returns the cached, unused blocks of every tier to the system (staged weights too).
+
+    A deleted model's weight-streaming plan goes too, with the staging arena it held in hbm.
+    """
     _C._stream_release()
     _C._empty_cache()
 

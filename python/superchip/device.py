@@ -143,6 +143,8 @@ def memory_reserved(device=None) -> int:
 
 
 def empty_cache() -> None:
+    # As superchip.empty_cache: staged weight copies (and a deleted model's staging arena) too.
+    _C._stream_release()
     _C._empty_cache()
 
 

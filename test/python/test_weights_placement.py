@@ -348,6 +348,31 @@ def test_weights_placed_in_host_come_back_when_hbm_frees(tmp_path):
     assert r["hbm_weights"] <= r["limit"] and r["peak"] <= r["cap"], r
 
 
+def test_empty_cache_after_deleting_a_streamed_model_gives_hbm_back():
+    # The plan's staging arena stayed allocated in hbm after the model it stages was deleted
+    # (until some weight was read again), and torch.superchip.empty_cache() did not release
+    # staged copies at all: a model trained next was placed beside a dead arena.
+    r = _run(textwrap.dedent(_STREAM) + textwrap.dedent("""
+        import gc
+        def once():
+            model = llama().to("superchip")
+            o = superchip.optim.AdamW(model.parameters(), lr=1e-3)
+            train(model, o, 4)
+            torch.superchip.synchronize()
+            return superchip.weights_plan()["staging_budget"], [superchip.tier_of(p) for p in model.parameters()].count("host")
+        first = once()
+        gc.collect()
+        torch.superchip.empty_cache()
+        s = superchip.memory_stats()
+        second = once()
+        print(json.dumps(dict(first=first, second=second, hbm=s["hbm.allocated_bytes"],
+                              reserved=s["hbm.reserved_bytes"], state=superchip.weights_plan()["state"])))
+    """), hbm="2M")
+    assert r["first"][0] > 0 and r["first"][1] > 0, r  # streamed through an arena
+    assert r["hbm"] == 0 and r["reserved"] == 0, r
+    assert r["second"] == r["first"], r  # placed and planned as on a fresh device
+
+
 def test_float_input_batches_do_not_keep_the_plan_from_forming():
     # Note [Inputs are not weights]: a float batch copied in each step (x.to("superchip")) is
     # marked like a weight; it must not enter the recorded order, or no two passes look alike
