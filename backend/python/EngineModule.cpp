@@ -109,14 +109,20 @@ void bind_engine(py::module& m) {
     return OffloadEngine::get().submit(std::move(job));
   });
   // Snapshot jobs (and, unless the spec is a probe, the speculative step and its hold).
-  m.def("_engine_speculate", [](std::shared_ptr<Spec> spec, bool probe) {
+  // `grads_pending` false: readers of the gradients' storages do not wait for the copy (DDP's
+  // bucket buffer, which its end of backward reads while the copy waits behind the speculative
+  // steps queued before it: Note [Speculation under DDP] in python/superchip/distributed.py;
+  // nothing writes it before the next backward, and validation compares the copy bit for bit).
+  m.def("_engine_speculate", [](std::shared_ptr<Spec> spec, bool probe, bool grads_pending) {
     OffloadEngine& e = OffloadEngine::get();
     EngineJob copy;
     copy.name = "superchip::bucket_copy";
     copy.owner = spec->owner();
     for (const AdamPart& p : spec->parts()) {
       for (const at::Tensor& g : p.group.grads) {
-        copy.touched.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(g.storage().unsafeGetStorageImpl()));
+        if (grads_pending) {
+          copy.touched.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(g.storage().unsafeGetStorageImpl()));
+        }
         copy.keep.push_back(g);  // snapshot() replaces it on the worker: the job drops it later
       }
     }
@@ -131,7 +137,7 @@ void bind_engine(py::module& m) {
     const uint64_t ticket = e.submit(std::move(step));
     e.hold(adam_storages(spec->parts(), /*with_grads=*/false), spec);
     return ticket;
-  });
+  }, py::arg("spec"), py::arg("probe"), py::arg("grads_pending") = true);
   m.def("_engine_validate", [](std::shared_ptr<Spec> spec, std::vector<AdamPartArgs> args, bool untouched) {
     auto parts = std::make_shared<std::vector<AdamPart>>(adam_parts(std::move(args)));
     EngineJob job;

@@ -19,7 +19,9 @@ let ``superchip.optim`` step FSDP2's sharded (DTensor) parameters.
 
 from __future__ import annotations
 
+import collections
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -199,10 +201,118 @@ def _split_group_on_the_bound_device() -> None:
             module.split_group = split_group
 
 
+# ---- DDP: the reduced gradients for the offload engine ----
+# Note [Speculation under DDP]
+# The engine speculates a bucket's step during backward from the gradients its hooks see
+# (engine.py). Under DDP those are each rank's local gradients; DDP writes the average into
+# .grad at the end of backward, so every speculation failed validation and was redone, and
+# the CPU step overlapped only the next forward. The reduced gradients exist earlier: in DDP's
+# bucket buffer once that bucket's allreduce completes, during backward. DDP hands them to a
+# communication hook, its documented extension point, so superchip.optim installs one
+# (attach_ddp_hook, at its first step(): DDP wants hooks registered before backward, so a
+# user's is there by then; that first backward is not speculated). The hook reduces exactly
+# as DDP's built-in path does: the bucket (DDP copies each gradient in when a hook is set) is
+# multiplied in place by 1/world, which DDP's default does while copying (at::mul_out by the
+# wrapped scalar 1/world), then summed by allreduce; same kernels, same bits, 1/3 included.
+# When an allreduce completes it records the bucket's parameters and their reduced gradients
+# (views of the buffer); the engine's gradient hooks speculate the buckets whose gradients are
+# all reduced. The copy job reads the buffer without marking it pending: DDP's end of
+# backward reads it too, and would wait behind the speculative steps queued before the copy;
+# nothing writes it before the next backward, whose weights the forward reads only after
+# their validation. Not installed where the equality does not hold or something is in the
+# way: a hook of the user's (DDP takes one), DDP mixed precision, gradient_as_bucket_view=True
+# (DDP divides instead of multiplying once a gradient lives in its bucket), and the CUDA
+# executor (NCCL's completion is a CUDA event the engine does not order with yet; unverified
+# on a GPU). Validation at step() still compares every speculated gradient with .grad bit for
+# bit, so whatever a hook saw, a wrong speculation costs only a redo.
+
+_ddp_modules = weakref.WeakSet()
+
+
+def _track_ddp(init):
+    """Wraps DistributedDataParallel.__init__: remembers DDP modules over superchip parameters."""
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if any(p.device.type == "superchip" for p in self.module.parameters()):
+            _ddp_modules.add(self)
+
+    __init__._superchip_wrapped = True
+    return __init__
+
+
+class DDPReduced:
+    """State of the communication hook: which parameters' reduced gradients are ready."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.ready: collections.deque = collections.deque()  # (params, reduced grads); any thread
+        self.listening = False   # an engine reads `ready`: otherwise nothing is recorded
+
+
+def _reduce_like_ddp(state: DDPReduced, bucket):
+    buf = bucket.buffer()
+    buf.mul_(1.0 / state.group.size())
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
+    if not state.listening:
+        return fut.then(lambda f: f.value()[0])
+    params, grads = bucket.parameters(), bucket.gradients()
+
+    def reduced(f):
+        out = f.value()[0]
+        if state.listening:
+            state.ready.append((params, grads))
+        return out
+
+    return fut.then(reduced)
+
+
+def ddp_of(params):
+    """The DDP module whose parameters include all of ``params``, or None."""
+    if not _ddp_modules:
+        return None
+    want = {id(p) for p in params}
+    for ddp in list(_ddp_modules):
+        if want <= {id(p) for p in ddp.module.parameters()}:
+            return ddp
+    return None
+
+
+def attach_ddp_hook(params) -> DDPReduced | None:
+    """The hook state of the DDP module over ``params``, installing the hook on first use.
+
+    None where the engine cannot use one (Note [Speculation under DDP]).
+    """
+    if not dist.is_available() or _C._executor() != "cpu":
+        return None
+    ddp = ddp_of(params)
+    if ddp is not None:
+        hooks = getattr(ddp, "_comm_hooks", None)
+        if hooks and hooks[0][0] is _reduce_like_ddp:
+            return hooks[0][1]
+        if (hooks or getattr(ddp, "mixed_precision", None) is not None or ddp.gradient_as_bucket_view
+                or getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "process_group", None) is None):
+            return None
+        state = DDPReduced(ddp.process_group)
+        try:
+            ddp.register_comm_hook(state, _reduce_like_ddp)
+        except (RuntimeError, AssertionError):
+            # A built-in (C++) hook is registered, which DDP does not list: it takes only one.
+            if ddp._comm_hooks and ddp._comm_hooks[-1][0] is _reduce_like_ddp:
+                ddp._comm_hooks.pop()
+            return None
+        return state
+    return None
+
+
 def _register() -> None:
     if not dist.is_available():
         return
     _split_group_on_the_bound_device()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not getattr(DDP.__init__, "_superchip_wrapped", False):
+        DDP.__init__ = _track_ddp(DDP.__init__)
     from torch.distributed import distributed_c10d as c10d
 
     if "SCCL" not in dist.Backend._plugins:

@@ -93,6 +93,13 @@ class Engine:
                            probed_buckets=0,
                            undo_bytes=0, undo_elements=0, undo_escapes=0)
         self.inline_seconds = 0.0
+        # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
+        # attached, buckets whose local gradients are in but not yet reduced, and the reduced
+        # gradients of this backward by parameter.
+        self.ddp = None
+        self.ddp_tried = False
+        self.awaiting: list = []
+        self.reduced: dict = {}
         self.hooks = []
         if overlap:
             for group in opt.param_groups:
@@ -125,10 +132,19 @@ class Engine:
             h.remove()
         self.hooks = []
         self.overlap = False
+        self._detach_ddp()
+
+    def _detach_ddp(self) -> None:
+        # DDP keeps the hook (it reduces as DDP's own path does); nothing is recorded for us.
+        if getattr(self, "ddp", None) is not None:
+            self.ddp.listening = False
+            self.ddp.ready.clear()
+            self.ddp = None
 
     def __del__(self):
         for h in getattr(self, "hooks", ()):
             h.remove()
+        self._detach_ddp()
 
     # ---- during backward ----
 
@@ -150,7 +166,35 @@ class Engine:
             return
         self.ready[b] = self.ready.get(b, 0) + 1
         if self.ready[b] == len(self.buckets[b]):
-            self._speculate(b, probe=self.probing)
+            if self.ddp is None:
+                self._speculate(b, probe=self.probing)
+            else:
+                self.awaiting.append(b)
+        if self.ddp is not None:
+            self._speculate_reduced()
+
+    def _speculate_reduced(self) -> None:
+        """Under DDP: speculates the awaiting buckets whose reduced gradients are all in.
+
+        Called from the gradient hooks only: a bucket whose allreduce completes after the last
+        hook of a backward is stepped at step(), in forward order, as without speculation.
+        Speculated at the end of backward, in backward order, it would be queued before the
+        steps of the first layers, which the next forward needs first (measured: with DDP's
+        default 25 MB buckets over a 13 MB model, 12 ms exposed a step against 3 ms)."""
+        ready = self.ddp.ready
+        while ready:
+            params, grads = ready.popleft()
+            for q, g in zip(params, grads):
+                self.reduced[q] = g
+        if not self.awaiting:
+            return
+        keep = []
+        for b in self.awaiting:
+            if all(q in self.reduced for q in self.buckets[b]):
+                self._speculate(b, probe=self.probing, grads=self.reduced)
+            else:
+                keep.append(b)
+        self.awaiting = keep
 
     def _begin_backward(self) -> None:
         self.order = []
@@ -175,6 +219,16 @@ class Engine:
         ok = self.can_speculate and bool(self.buckets) and len(self.buckets) > self.tail
         self.speculating = ok and self.cooldown == 0
         self.probing = ok and self.cooldown > 0
+        if self.ddp is not None:
+            self.awaiting, self.reduced = [], {}
+            self.ddp.ready.clear()
+            self.ddp.listening = self.speculating or self.probing
+        elif not self.ddp_tried and (self.speculating or self.probing):
+            from . import distributed as _dist
+
+            if _dist.ddp_of([p for g in self.opt.param_groups for p in g["params"]]) is not None:
+                # Before the hook is attached (the first step()), the hooks see local gradients.
+                self.speculating = self.probing = False
         if self.probing and self.probe_bucket is None:
             sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
                      for b in range(self.tail, len(self.buckets))}
@@ -210,15 +264,15 @@ class Engine:
         self.outstanding = keep
         return failed, committed, probe_valid, probe_invalid
 
-    def _speculate(self, b: int, probe: bool = False) -> None:
+    def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
         params = self.buckets[b]
-        parts = self.opt._engine_parts(params, step_increment=1)
+        parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
         if parts is None:
             return
-        grads = {p: (p.grad, p.grad._version) for p in params}
+        used = {p: (g, g._version) for p in params for g in [p.grad if grads is None else grads[p]]}
         spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32(), probe)
-        _C._engine_speculate(spec, probe)
-        self.specs[b] = _Speculation(spec, grads, probe)
+        _C._engine_speculate(spec, probe, grads_pending=grads is None)
+        self.specs[b] = _Speculation(spec, used, probe)
         self.outstanding.append(self.specs[b])
         self.counts["probed_buckets" if probe else "speculated_buckets"] += 1
 
@@ -226,6 +280,12 @@ class Engine:
 
     def step(self) -> None:
         """Queues the step of every bucket in forward order; returns before they run."""
+        if not self.ddp_tried and self.can_speculate:
+            # After the first backward, between backwards (Note [Speculation under DDP]).
+            from . import distributed as _dist
+
+            self.ddp_tried = True
+            self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
         self._plan()
         self.opt._engine_advance_steps()
         tail_parts = []
@@ -256,6 +316,7 @@ class Engine:
         self._end_step(stepped=True)
 
     def _end_step(self, stepped: bool) -> None:
+        self.awaiting, self.reduced = [], {}
         # The gradients compared at step() are not needed past it; holding them (the
         # speculations stay in `outstanding` until the next backward) kept the last step's
         # gradients alive, in hbm, through the next forward beside its activations.

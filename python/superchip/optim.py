@@ -173,13 +173,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _group_index(self) -> dict:
         return {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
 
-    def _engine_parts(self, params, step_increment: int):
-        """Kernel arguments for `params`, one tuple per param group they belong to."""
+    def _engine_parts(self, params, step_increment: int, grads: dict | None = None):
+        """Kernel arguments for `params`, one tuple per param group they belong to; `grads`
+        replaces parameters' .grad (the reduced gradients under DDP: engine.py)."""
         index = self._group_index()
         by_group: dict = {}
         for p in params:
             by_group.setdefault(index[p], []).append(p)
-        return [self._group_args(self.param_groups[gi], ps, step_increment)
+        return [self._group_args(self.param_groups[gi], ps, step_increment, grads)
                 for gi, ps in sorted(by_group.items())]
 
     def _engine_place_state(self, buckets, tail: int) -> int:
@@ -322,13 +323,13 @@ class Adam(_FusedOptimizer):
             state["max_exp_avg_sq"] = self._new_state(p)
         return state
 
-    def _group_args(self, group: dict, params: list, step_increment: int) -> tuple:
+    def _group_args(self, group: dict, params: list, step_increment: int, given: dict | None = None) -> tuple:
         """The fused kernel's arguments for `params` of `group` (state created on first use)."""
         amsgrad = group["amsgrad"]
         grads, masters, m1, m2, mx, steps = [], [], [], [], [], []
         for p in params:
             state = self._init_state(group, p)
-            grads.append(p.grad)
+            grads.append(p.grad if given is None else given[p])
             masters.append(self._master(p, state))
             m1.append(state["exp_avg"])
             m2.append(state["exp_avg_sq"])
@@ -433,12 +434,12 @@ class SGD(_FusedOptimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
 
-    def _group_args(self, group: dict, params: list, step_increment: int) -> tuple:
+    def _group_args(self, group: dict, params: list, step_increment: int, given: dict | None = None) -> tuple:
         momentum = float(group["momentum"])
         grads, masters, buffers, first = [], [], [], []
         for p in params:
             state = self.state[p]
-            grads.append(p.grad)
+            grads.append(p.grad if given is None else given[p])
             masters.append(self._master(p, state))
             if momentum != 0.0:
                 is_new = state.get("momentum_buffer") is None

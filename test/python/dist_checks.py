@@ -451,6 +451,67 @@ def check_ddp_superchip_optim():
     assert_params(s, c, "DDP + superchip.optim.AdamW vs torch.optim.AdamW", exact=False)
 
 
+class _SlowBackward(nn.Module):
+    """Identity whose backward takes 50 ms: the allreduces of the layers after it complete
+    before backward reaches the layers before it, whatever else runs on the machine."""
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            import time
+
+            time.sleep(0.05)
+            return g
+
+    def forward(self, x):
+        return self._Fn.apply(x)
+
+
+def train_ddp_engine(overlap, steps=5, user_hook=False):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)]
+    model = nn.Sequential(layers[0], _SlowBackward(), *layers[1:]).to(DEV)
+    # A bucket per layer, so reduced gradients arrive while backward runs.
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    if user_hook:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)
+    g = torch.Generator().manual_seed(10 + RANK)
+    for _ in range(steps):
+        x, y = torch.randn(256, 256, generator=g).to(DEV), torch.randn(256, 256, generator=g).to(DEV)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.superchip.synchronize()
+    hooks = [h.__name__ for h, _ in ddp._comm_hooks]
+    return params_cpu(model), (opt.offload_stats() if overlap else None), hooks
+
+
+def check_ddp_engine():
+    # Note [Speculation under DDP] (superchip/distributed.py): the engine speculates from the
+    # reduced gradients DDP's bucket allreduce leaves, through a communication hook that
+    # reduces as DDP's built-in path does. Before, each speculation saw the local gradient and
+    # was rolled back. Bit for bit the plain step's, whose DDP runs its built-in path: with 3
+    # ranks (1/3 is inexact) too.
+    plain, _, plain_hooks = train_ddp_engine(False)
+    spec, stats, hooks = train_ddp_engine(True)
+    # A hook of the user's stays the only one; the engine then takes the plain path.
+    user_plain, _, _ = train_ddp_engine(False, user_hook=True)
+    user, _, user_hooks = train_ddp_engine(True, user_hook=True)
+    assert plain_hooks == [] and hooks == ["_reduce_like_ddp"], (plain_hooks, hooks)
+    assert stats["speculated_buckets"] > 0 and stats["rolled_back_buckets"] == 0, stats
+    assert_params(spec, plain, "DDP + engine vs overlap=False")
+    assert user_hooks == ["allreduce_hook"], user_hooks
+    assert_params(user, user_plain, "DDP (user's comm hook) + engine vs overlap=False")
+
+
 # ---- FSDP2 ----
 
 def shard(model, mesh, **kw):
@@ -655,8 +716,9 @@ GROUPS = {
                     "barrier_and_objects", "host_tier_operands", "async_work_and_tier_move",
                     "collective_writes_streamed_weight",
                     "functional_collectives", "other_backend_strings", "device_id_and_split"],
-    "training": ["ddp", "ddp_superchip_optim", "fsdp2", "fsdp2_superchip_optim", "dcp_roundtrip",
-                 "dtensor_random_init", "ulysses"],
+    "training": ["ddp", "ddp_superchip_optim", "ddp_engine", "fsdp2", "fsdp2_superchip_optim",
+                 "dcp_roundtrip", "dtensor_random_init", "ulysses"],
+    "three_ranks": ["ddp_engine"],  # launched on 3 ranks (test_distributed.py)
 }
 
 
