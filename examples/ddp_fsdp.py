@@ -106,6 +106,11 @@ def main(argv=None) -> int:
         for r, h in enumerate(hosts):
             print(f"rank {r}: host tier {int(h.item()):,} bytes "
                   f"(AdamW state of the whole model: {state:,} bytes)")
+        st = opt.offload_stats()
+        hidden = 1 - st["exposed_seconds"] / max(st["optimizer_seconds"], 1e-9)
+        print(f"offload engine (rank 0): {st['speculated_buckets']} buckets speculated during backward, "
+              f"{st['rolled_back_buckets']} rolled back (clipping changed their gradients), "
+              f"{hidden:.0%} of optimizer time hidden")
         print(f"loss {first:.4f} -> {last:.4f}")
     ok = last < first
     dist.destroy_process_group()

@@ -66,6 +66,15 @@ bool same_hyper(const ops::AdamHyper& a, const ops::AdamHyper& b) {
          a.amsgrad == b.amsgrad && a.maximize == b.maximize;
 }
 
+// Note [Validation compares bytes]
+// A speculation holds when the gradients at step() are, bit for bit, those it stepped from.
+// Validation used to skip the comparison when .grad was the same object with the same version
+// counter, which every in-place change was taken to bump. Not so: a write through .data (old
+// clipping and averaging recipes) shares the bytes but not the version counter, and under FSDP2
+// clip_grad_norm_ scales the local shards of DTensor gradients, whose wrapper's counter stays;
+// both committed steps made from the unchanged gradients. So the bytes are always compared (one
+// read of the gradient and its snapshot per bucket, beside the step's traffic).
+
 // Bitwise equality of a gradient and its snapshot (which may be its fp32 cast: exact).
 bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
   if (!grad.defined() || grad.sizes() != snap.sizes()) return false;
@@ -155,7 +164,7 @@ void AdamSpeculation::rollback() {
   status_ = kRolledBack;
 }
 
-void AdamSpeculation::validate(std::vector<AdamPart> current, bool grads_untouched) {
+void AdamSpeculation::validate(std::vector<AdamPart> current) {
   TORCH_CHECK(current.size() == parts_.size(), "superchip.optim: internal error: bucket changed shape");
   if (probe_) {
     // Would a speculation have held? Only the gradients decide (a new learning rate from a
@@ -166,7 +175,7 @@ void AdamSpeculation::validate(std::vector<AdamPart> current, bool grads_untouch
       const AdamGroup& now = current[k].group;
       valid = was.params.size() == now.params.size();
       for (size_t i = 0; valid && i < now.params.size(); ++i) {
-        valid = grads_untouched || same_bits(now.grads[i], was.grads[i]);
+        valid = same_bits(now.grads[i], was.grads[i]);
       }
     }
     step_adam_parts(current);
@@ -180,8 +189,9 @@ void AdamSpeculation::validate(std::vector<AdamPart> current, bool grads_untouch
     valid = same_hyper(parts_[k].hyper, current[k].hyper) && was.params.size() == now.params.size() &&
             was.steps == now.steps;
     for (size_t i = 0; valid && i < now.params.size(); ++i) {
-      valid = same_param(now.params[i], was.params[i]) &&
-              (grads_untouched || same_bits(now.grads[i], was.grads[i]));
+      // Always the bytes: a gradient's object and version counter say nothing about writes
+      // through .data or to a DTensor gradient's local shard (Note [Validation compares bytes]).
+      valid = same_param(now.params[i], was.params[i]) && same_bits(now.grads[i], was.grads[i]);
     }
   }
   if (valid) {

@@ -53,7 +53,7 @@ class AdamSpeculation final : public SpeculationHold {
   void rollback() override;
   // Worker, after step(): commits when `current` grads equal the snapshots bit for bit and the
   // hyper-parameters are unchanged; otherwise rolls back and steps `current`.
-  void validate(std::vector<AdamPart> current, bool grads_untouched);
+  void validate(std::vector<AdamPart> current);
 
   int64_t owner() const override { return owner_; }
   int status() const { return status_.load(); }

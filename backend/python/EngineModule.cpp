@@ -138,14 +138,14 @@ void bind_engine(py::module& m) {
     e.hold(adam_storages(spec->parts(), /*with_grads=*/false), spec);
     return ticket;
   }, py::arg("spec"), py::arg("probe"), py::arg("grads_pending") = true);
-  m.def("_engine_validate", [](std::shared_ptr<Spec> spec, std::vector<AdamPartArgs> args, bool untouched) {
+  m.def("_engine_validate", [](std::shared_ptr<Spec> spec, std::vector<AdamPartArgs> args) {
     auto parts = std::make_shared<std::vector<AdamPart>>(adam_parts(std::move(args)));
     EngineJob job;
     job.name = "superchip::validate";
     job.owner = spec->owner();
     job.touched = adam_storages(*parts, /*with_grads=*/true);
     job.keep = tensors_of(*parts);
-    job.run = [spec, parts, untouched] { spec->validate(std::move(*parts), untouched); };
+    job.run = [spec, parts] { spec->validate(std::move(*parts)); };
     return OffloadEngine::get().submit_replacing_hold(std::move(job), spec.get());
   });
   m.def("_engine_rollback", [](std::shared_ptr<Spec> spec) {

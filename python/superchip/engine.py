@@ -48,11 +48,10 @@ def overlap_default() -> bool:
 
 
 class _Speculation:
-    __slots__ = ("spec", "grads", "stepped", "probe")
+    __slots__ = ("spec", "stepped", "probe")
 
-    def __init__(self, spec, grads, probe):
+    def __init__(self, spec, probe):
         self.spec = spec
-        self.grads = grads        # {param: (grad tensor, its _version)} when speculated
         self.stepped = False      # step() has queued its validation
         self.probe = probe        # only snapshotted: tells the predictor, never rolled back
 
@@ -269,10 +268,9 @@ class Engine:
         parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
         if parts is None:
             return
-        used = {p: (g, g._version) for p in params for g in [p.grad if grads is None else grads[p]]}
         spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32(), probe)
         _C._engine_speculate(spec, probe, grads_pending=grads is None)
-        self.specs[b] = _Speculation(spec, used, probe)
+        self.specs[b] = _Speculation(spec, probe)
         self.outstanding.append(self.specs[b])
         self.counts["probed_buckets" if probe else "speculated_buckets"] += 1
 
@@ -299,8 +297,7 @@ class Engine:
                 tail_parts.append(parts)
                 continue
             if spec is not None and len(params) == len(self.buckets[b]):
-                untouched = all(p.grad is g and p.grad._version == v for p, (g, v) in spec.grads.items())
-                _C._engine_validate(spec.spec, parts, untouched)
+                _C._engine_validate(spec.spec, parts)
                 spec.stepped = True
             else:
                 if spec is not None and not spec.probe:
@@ -316,12 +313,10 @@ class Engine:
         self._end_step(stepped=True)
 
     def _end_step(self, stepped: bool) -> None:
+        # Nothing here may hold a gradient past step(): the speculations stay in `outstanding`
+        # until the next backward, and gradients they held stayed in hbm through the next
+        # forward beside its activations.
         self.awaiting, self.reduced = [], {}
-        # The gradients compared at step() are not needed past it; holding them (the
-        # speculations stay in `outstanding` until the next backward) kept the last step's
-        # gradients alive, in hbm, through the next forward beside its activations.
-        for s in self.specs.values():
-            s.grads = None
         self.specs = {}
         self.fired = {}
         self.ready = {}

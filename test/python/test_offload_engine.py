@@ -133,6 +133,25 @@ def test_predictor_probes_while_clipping_triggers_and_resumes_after():
     assert st["speculated_buckets"] - st["rolled_back_buckets"] >= 3 * st["buckets"], st
 
 
+def _through_data(i, model):
+    # Legacy code writes gradients through .data, which shares the bytes but not the version
+    # counter (old clipping recipes, manual allreduce averaging): nothing but the bytes changes.
+    if i % 2:
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)
+
+
+def test_gradients_changed_through_data_are_seen():
+    # Validation trusted an unchanged .grad object and version counter to skip comparing the
+    # gradients with the speculation's copy; a write through .data (or, under FSDP2, to a
+    # DTensor gradient's local shard) changes neither, and the speculated step was committed
+    # with the old gradients: a silent wrong result. Before: parameters differed by about 1e-3.
+    plain = _train(torch.float32, False, clip=_through_data)
+    engine = _train(torch.float32, True, clip=_through_data)
+    _assert_same(plain, engine)
+    assert engine[1].offload_stats()["rolled_back_buckets"] >= 1
+
+
 def test_accumulation_groups_scheduler_set_to_none_false():
     plain = _train(torch.float32, False, accumulate=2, set_to_none=False, clip=1.0)
     engine = _train(torch.float32, True, accumulate=2, set_to_none=False, clip=1.0)
