@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import weakref
 
 import torch
@@ -232,6 +233,7 @@ _ddp_modules = weakref.WeakSet()
 def _track_ddp(init):
     """Wraps DistributedDataParallel.__init__: remembers DDP modules over superchip parameters."""
 
+    @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if any(p.device.type == "superchip" for p in self.module.parameters()):
