@@ -161,16 +161,15 @@ class Engine:
         if not (self.speculating or self.probing):
             return
         b = self.bucket_of.get(p)
-        if b is None or b < self.tail or (self.probing and b != self.probe_bucket):
-            return
-        self.ready[b] = self.ready.get(b, 0) + 1
-        if self.ready[b] == len(self.buckets[b]):
-            if self.ddp is None:
-                self._speculate(b, probe=self.probing)
-            else:
-                self.awaiting.append(b)
+        if not (b is None or b < self.tail or (self.probing and b != self.probe_bucket)):
+            self.ready[b] = self.ready.get(b, 0) + 1
+            if self.ready[b] == len(self.buckets[b]):
+                if self.ddp is None:
+                    self._speculate(b, probe=self.probing)
+                else:
+                    self.awaiting.append(b)
         if self.ddp is not None:
-            self._speculate_reduced()
+            self._speculate_reduced()  # at every hook: a bucket's allreduce ends any time
 
     def _speculate_reduced(self) -> None:
         """Under DDP: speculates the awaiting buckets whose reduced gradients are all in.
@@ -229,9 +228,15 @@ class Engine:
                 # Before the hook is attached (the first step()), the hooks see local gradients.
                 self.speculating = self.probing = False
         if self.probing and self.probe_bucket is None:
-            sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
-                     for b in range(self.tail, len(self.buckets))}
-            self.probe_bucket = min(sizes, key=sizes.get)
+            if self.ddp is not None:
+                # The first bucket backward finishes, whose allreduce completes first: a later
+                # one (the smallest may hold the first layer) may complete only after backward,
+                # when nothing is probed, and speculation would never resume.
+                self.probe_bucket = self.tail
+            else:
+                sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
+                         for b in range(self.tail, len(self.buckets))}
+                self.probe_bucket = min(sizes, key=sizes.get)
 
     def _harvest(self) -> tuple[bool, bool, bool, bool]:
         """Counts the outcomes of finished speculations and probes.
@@ -284,6 +289,7 @@ class Engine:
 
             self.ddp_tried = True
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
+            self.probe_bucket = None
         self._plan()
         self.opt._engine_advance_steps()
         tail_parts = []

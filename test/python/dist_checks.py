@@ -471,7 +471,7 @@ class _SlowBackward(nn.Module):
         return self._Fn.apply(x)
 
 
-def train_ddp_engine(overlap, steps=5, user_hook=False):
+def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=()):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -484,9 +484,11 @@ def train_ddp_engine(overlap, steps=5, user_hook=False):
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)
     g = torch.Generator().manual_seed(10 + RANK)
-    for _ in range(steps):
+    for step in range(steps):
         x, y = torch.randn(256, 256, generator=g).to(DEV), torch.randn(256, 256, generator=g).to(DEV)
         F.mse_loss(ddp(x), y).backward()
+        if step in clip_at:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
         opt.zero_grad()
     torch.superchip.synchronize()
@@ -502,12 +504,20 @@ def check_ddp_engine():
     # ranks (1/3 is inexact) too.
     plain, _, plain_hooks = train_ddp_engine(False)
     spec, stats, hooks = train_ddp_engine(True)
+    # Clipping once: that step is redone, the predictor probes the first bucket backward
+    # finishes (the smallest may be reduced only after backward, and was never probed, so
+    # speculation never resumed), then speculates again.
+    clip_plain, _, _ = train_ddp_engine(False, steps=8, clip_at=(1,))
+    clip, clip_stats, _ = train_ddp_engine(True, steps=8, clip_at=(1,))
     # A hook of the user's stays the only one; the engine then takes the plain path.
     user_plain, _, _ = train_ddp_engine(False, user_hook=True)
     user, _, user_hooks = train_ddp_engine(True, user_hook=True)
     assert plain_hooks == [] and hooks == ["_reduce_like_ddp"], (plain_hooks, hooks)
     assert stats["speculated_buckets"] > 0 and stats["rolled_back_buckets"] == 0, stats
     assert_params(spec, plain, "DDP + engine vs overlap=False")
+    assert clip_stats["rolled_back_buckets"] > 0 and clip_stats["probed_buckets"] > 0, clip_stats
+    assert clip_stats["speculated_buckets"] - clip_stats["rolled_back_buckets"] >= 3 * clip_stats["buckets"], clip_stats
+    assert_params(clip, clip_plain, "DDP + clipping once + engine vs overlap=False")
     assert user_hooks == ["allreduce_hook"], user_hooks
     assert_params(user, user_plain, "DDP (user's comm hook) + engine vs overlap=False")
 
