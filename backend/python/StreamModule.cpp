@@ -11,9 +11,10 @@ namespace py = pybind11;
 namespace superchip {
 namespace {
 
-// WeightStreamer::ApplyRequest: a plan has demotions or promotions; superchip schedules apply() before the
-// next module call (python/superchip/__init__.py). Runs inside an operator, which ATen's
-// Python bindings call with the GIL released: take it, as torch's own refcounting does.
+// WeightStreamer::ApplyRequest: a plan has demotions or promotions; superchip schedules
+// apply() before the next module call (python/superchip/__init__.py). Runs inside an operator,
+// which ATen's Python bindings call with the GIL released: take it, as torch's own refcounting
+// does.
 void schedule_apply() noexcept {
   if (Py_IsInitialized() == 0) return;
   try {

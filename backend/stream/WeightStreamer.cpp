@@ -81,10 +81,11 @@
 // Where a weight lives is decided when it arrives (Note [Placement]): hbm up to its weights
 // limit, then host. What hbm held then may be gone by the first pass: a state dict loaded onto
 // the device before the model was moved there, then deleted, left every weight in host, each
-// streamed twice a step while hbm stood empty. So the plan also promotes: when hbm, as it is
-// when the plan is made (at the start of a pass in a training loop: weights, optimizer state,
-// the batch), is under the weights limit, the streamed weights that fit beneath it move back to
-// hbm, as long as the arena for those still streamed keeps its least room. Never a weight the
+// streamed twice a step while hbm stood empty. So the plan also promotes: when hbm between
+// passes (its least over the period just recorded: weights, optimizer state, the batch; the
+// plan itself is often made mid-pass, with activations and gradients in hbm) is under the
+// weights limit, the streamed weights that fit beneath it move back to hbm, as long as the
+// arena for those still streamed keeps its least room. Never a weight the
 // user placed by hand (superchip.move_to_tier), which the plan does not demote either. Applied
 // with the demotions, between operators (apply()); one hbm cannot take now is tried again after
 // the engine's queued steps ran (they hold the last step's gradients), then at the next apply()
@@ -605,7 +606,7 @@ struct WeightStreamer::Impl {
       state = State::kUnplanned;
       trace.clear();
       trace_bytes.clear();
-    trace_hbm.clear();
+      trace_hbm.clear();
       trace_pairs.clear();
     }
   }
