@@ -222,7 +222,9 @@ def _split_group_on_the_bound_device() -> None:
 # nothing writes it before the next backward, whose weights the forward reads only after
 # their validation. Not installed where the equality does not hold or something is in the
 # way: a hook of the user's (DDP takes one), DDP mixed precision, gradient_as_bucket_view=True
-# (DDP divides instead of multiplying once a gradient lives in its bucket), and the CUDA
+# (DDP divides instead of multiplying once a gradient lives in its bucket), a Join context with
+# divide_by_initial_world_size=False (DDP divides by the ranks not joined yet, which a hook
+# cannot know; one entered only after the first step() is not seen), and the CUDA
 # executor (NCCL's completion is a CUDA event the engine does not order with yet; unverified
 # on a GPU). Validation at step() still compares every speculated gradient with .grad bit for
 # bit, so whatever a hook saw, a wrong speculation costs only a redo.
@@ -292,8 +294,10 @@ def attach_ddp_hook(params) -> DDPReduced | None:
         hooks = getattr(ddp, "_comm_hooks", None)
         if hooks and hooks[0][0] is _reduce_like_ddp:
             return hooks[0][1]
+        join = getattr(ddp, "_join_config", None)
         if (hooks or getattr(ddp, "mixed_precision", None) is not None or ddp.gradient_as_bucket_view
-                or getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "process_group", None) is None):
+                or getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "process_group", None) is None
+                or (join is not None and join.enable and not getattr(ddp, "_divide_by_initial_world_size", True))):
             return None
         state = DDPReduced(ddp.process_group)
         try:

@@ -471,7 +471,7 @@ class _SlowBackward(nn.Module):
         return self._Fn.apply(x)
 
 
-def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=()):
+def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -484,13 +484,24 @@ def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=()):
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)
     g = torch.Generator().manual_seed(10 + RANK)
-    for step in range(steps):
-        x, y = torch.randn(256, 256, generator=g).to(DEV), torch.randn(256, 256, generator=g).to(DEV)
-        F.mse_loss(ddp(x), y).backward()
-        if step in clip_at:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        opt.step()
-        opt.zero_grad()
+
+    def loop(n):
+        for step in range(n):
+            x, y = torch.randn(256, 256, generator=g).to(DEV), torch.randn(256, 256, generator=g).to(DEV)
+            F.mse_loss(ddp(x), y).backward()
+            if step in clip_at:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+
+    if join:
+        # Uneven inputs: rank 0 runs out first; DDP then divides by the ranks still training.
+        from torch.distributed.algorithms.join import Join
+
+        with Join([ddp], divide_by_initial_world_size=False):
+            loop(steps + 2 * RANK)
+    else:
+        loop(steps)
     torch.superchip.synchronize()
     hooks = [h.__name__ for h, _ in ddp._comm_hooks]
     return params_cpu(model), (opt.offload_stats() if overlap else None), hooks
@@ -512,6 +523,10 @@ def check_ddp_engine():
     # A hook of the user's stays the only one; the engine then takes the plain path.
     user_plain, _, _ = train_ddp_engine(False, user_hook=True)
     user, _, user_hooks = train_ddp_engine(True, user_hook=True)
+    # Join(divide_by_initial_world_size=False): DDP divides by the ranks not joined yet, which a
+    # hook cannot know: none is installed.
+    join_plain, _, _ = train_ddp_engine(False, join=True)
+    joined, _, join_hooks = train_ddp_engine(True, join=True)
     assert plain_hooks == [] and hooks == ["_reduce_like_ddp"], (plain_hooks, hooks)
     assert stats["speculated_buckets"] > 0 and stats["rolled_back_buckets"] == 0, stats
     assert_params(spec, plain, "DDP + engine vs overlap=False")
@@ -520,6 +535,8 @@ def check_ddp_engine():
     assert_params(clip, clip_plain, "DDP + clipping once + engine vs overlap=False")
     assert user_hooks == ["allreduce_hook"], user_hooks
     assert_params(user, user_plain, "DDP (user's comm hook) + engine vs overlap=False")
+    assert join_hooks == [], join_hooks
+    assert_params(joined, join_plain, "DDP under Join (uneven inputs) + engine vs overlap=False")
 
 
 # ---- FSDP2 ----
