@@ -323,6 +323,10 @@ class Engine:
         # until the next backward, and gradients they held stayed in hbm through the next
         # forward beside its activations.
         self.awaiting, self.reduced = [], {}
+        if self.ddp is not None:
+            # Until the next backward: a rank that joined early runs DDP's hook on zero buckets.
+            self.ddp.listening = False
+            self.ddp.ready.clear()
         self.specs = {}
         self.fired = {}
         self.ready = {}
