@@ -178,7 +178,8 @@ class Engine:
         hook of a backward is stepped at step(), in forward order, as without speculation.
         Speculated at the end of backward, in backward order, it would be queued before the
         steps of the first layers, which the next forward needs first (measured: with DDP's
-        default 25 MB buckets over a 13 MB model, 12 ms exposed a step against 3 ms)."""
+        default 25 MB buckets over a 13 MB model, 12 ms exposed a step, against 0.3 ms when
+        those buckets are stepped at step())."""
         ready = self.ddp.ready
         while ready:
             params, grads = ready.popleft()
