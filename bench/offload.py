@@ -3,6 +3,10 @@
 The demo GPT (and a Hugging Face LlamaForCausalLM with random init when `transformers` is
 installed) is trained with superchip.optim.AdamW, clipping on, with overlap=False and with the
 engine, clipping never triggering (max_norm 1e9) and triggering every step (max_norm 1e-3).
+A third model is optimizer-bound (8 Linear(2048) layers at 8 tokens a step: backward is short
+next to the CPU step, as for a large model on a fast GPU); it is also run with
+SUPERCHIP_SPECULATION=always, the engine before its speculation budget (Note [Speculation
+budget] in superchip/engine.py), to show what the budget saves.
 In emulated mode the executor gets one core (torch.set_num_threads(1)) and the optimizer the
 other (SUPERCHIP_OPTIM_THREADS=1), so the overlap is real on a 2-core machine. Prints per
 configuration: median step time, optimizer time, exposed time (the training thread waited)
@@ -68,15 +72,33 @@ def llama_model():
     return "HF Llama (random init)", model, cfg.vocab_size, 128, loss_fn
 
 
+def optimizer_bound_model():
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 2048)
+            self.layers = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(2048, 2048),
+                                                                                torch.nn.GELU())])
+
+        def forward(self, x):
+            return self.layers(self.embed(x))
+
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    return "optimizer-bound MLP (33.6M params, 8 tokens/step)", MLP(), 8, 2, loss_fn
+
+
 def _ranged(name, fn, *a):
     with torch.profiler.record_function(name):
         return fn(*a)
 
 
-def run(build, overlap, max_norm, steps, warmup, timeline=False):
+def run(build, overlap, max_norm, steps, warmup, timeline=False, speculation="auto"):
     name, model, vocab, seq, loss_fn = build()
     torch.manual_seed(0)
     model = model.to("superchip")
+    os.environ["SUPERCHIP_SPECULATION"] = speculation  # read when the optimizer is built
     opt = superchip.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, overlap=overlap)
     g = torch.Generator().manual_seed(0)
     times = []
@@ -180,11 +202,12 @@ def main():
     out(f"superchip.optim.AdamW, clip_grad_norm_ every step; {args.steps} steps, figures over the "
         f"last {args.steps - args.warmup}; hidden = 1 - exposed / optimizer time")
     timelines = []
-    for build in (demo_model, llama_model):
+    for build in (demo_model, llama_model, optimizer_bound_model):
         if build() is None:
             print("HF Llama: skipped (transformers is not installed)")
             continue
-        for label, max_norm in (("clip never triggers", 1e9), ("clip triggers every step", 1e-3)):
+        clips = (("clip never triggers", 1e9), ("clip triggers every step", 1e-3))
+        for label, max_norm in clips[:1] if build is optimizer_bound_model else clips:
             draw = bool(args.png) and build is demo_model
             plain = run(build, False, max_norm, args.steps, args.warmup, timeline=draw)
             eng = run(build, True, max_norm, args.steps, args.warmup, timeline=draw)
@@ -202,13 +225,23 @@ def main():
                 f"({100 * eng['hidden']:.0f}% of the engine's own); step-time ratio engine / overlap=False "
                 f"{eng['step'] / plain['step']:.3f}")
             out(f"  engine counters over all {st['steps']} steps: {st['buckets']} buckets, speculated "
-                f"{st['speculated_buckets']}, rolled back {st['rolled_back_buckets']}, probed "
-                f"{st['probed_buckets']}; undo log {st['undo_bytes_per_param']:.2f} B/param")
-            records.append(dict(model=plain["name"], clip=label, plain_step_s=plain["step"],
-                                plain_optimizer_s=plain["optimizer"], engine_step_s=eng["step"],
-                                engine_optimizer_s=eng["optimizer"], engine_exposed_s=eng["exposed"],
-                                hidden_vs_plain=hidden_vs_plain, hidden_vs_engine=eng["hidden"],
-                                step_ratio=eng["step"] / plain["step"], counters=st))
+                f"{st['speculated_buckets']}, deferred to step() {st['deferred_buckets']}, rolled back "
+                f"{st['rolled_back_buckets']}, probed {st['probed_buckets']}; undo log "
+                f"{st['undo_bytes_per_param']:.2f} B/param")
+            record = dict(model=plain["name"], clip=label, plain_step_s=plain["step"],
+                          plain_optimizer_s=plain["optimizer"], engine_step_s=eng["step"],
+                          engine_optimizer_s=eng["optimizer"], engine_exposed_s=eng["exposed"],
+                          hidden_vs_plain=hidden_vs_plain, hidden_vs_engine=eng["hidden"],
+                          step_ratio=eng["step"] / plain["step"], counters=st)
+            if build is optimizer_bound_model:
+                always = run(build, True, max_norm, args.steps, args.warmup, speculation="always")
+                out(f"  engine, SUPERCHIP_SPECULATION=always (no budget): step {always['step'] * 1e3:.1f} ms, "
+                    f"optimizer {always['optimizer'] * 1e3:.2f} ms, exposed {always['exposed'] * 1e3:.2f} ms; "
+                    f"step-time ratio always / overlap=False {always['step'] / plain['step']:.3f}, "
+                    f"engine / always {eng['step'] / always['step']:.3f}")
+                record.update(always_step_s=always["step"], always_optimizer_s=always["optimizer"],
+                              always_exposed_s=always["exposed"], always_counters=always["stats"])
+            records.append(record)
     if timelines:
         draw_timeline(timelines, args.png)
     if args.out:

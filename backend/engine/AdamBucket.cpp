@@ -130,16 +130,25 @@ int64_t AdamSpeculation::elements() const {
   return n;
 }
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 void AdamSpeculation::snapshot() {
+  const auto t0 = std::chrono::steady_clock::now();
   for (AdamPart& p : parts_) {
     for (at::Tensor& g : p.group.grads) {
       g = host_snapshot(g, cast_ ? at::kFloat : g.scalar_type());
     }
   }
+  seconds_ = seconds_.load() + seconds_since(t0);  // only the worker writes it
 }
 
 void AdamSpeculation::step() {
   TORCH_CHECK(!probe_, "superchip.optim: internal error: a probe is never stepped speculatively");
+  const auto t0 = std::chrono::steady_clock::now();
   logs_.assign(parts_.size(), {});
   int64_t bytes = 0, exc = 0;
   for (size_t k = 0; k < parts_.size(); ++k) {
@@ -150,6 +159,7 @@ void AdamSpeculation::step() {
   }
   undo_bytes_ = bytes;
   escapes_ = exc;
+  seconds_ = seconds_.load() + seconds_since(t0);
   int expected = kQueued;
   status_.compare_exchange_strong(expected, kSpeculated);
 }

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -60,6 +61,9 @@ class AdamSpeculation final : public SpeculationHold {
   int64_t undo_bytes() const { return undo_bytes_.load(); }
   int64_t escapes() const { return escapes_.load(); }  // undo log fields in side streams
   int64_t elements() const;
+  // Worker seconds spent in snapshot() and step(): what speculating this bucket cost (the
+  // engine's budget, Note [Speculation budget] in python/superchip/engine.py, learns from it).
+  double seconds() const { return seconds_.load(); }
   const std::vector<AdamPart>& parts() const { return parts_; }
 
  private:
@@ -71,6 +75,7 @@ class AdamSpeculation final : public SpeculationHold {
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
   std::atomic<int64_t> escapes_{0};
+  std::atomic<double> seconds_{0.0};
 };
 
 }  // namespace superchip

@@ -66,7 +66,8 @@ void bind_engine(py::module& m) {
       .def("status", &Spec::status)
       .def("undo_bytes", &Spec::undo_bytes)
       .def("escapes", &Spec::escapes)
-      .def("elements", &Spec::elements);
+      .def("elements", &Spec::elements)
+      .def("seconds", &Spec::seconds);
 
   m.def("_engine_adam_step", [](int64_t owner, std::vector<AdamPartArgs> args) {
     auto parts = std::make_shared<std::vector<AdamPart>>(adam_parts(std::move(args)));

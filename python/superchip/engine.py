@@ -7,8 +7,9 @@ result of the plain step (``overlap=False``); only the timing changes.
   (post-accumulate-grad hooks), into buckets of about ``bucket_bytes``.
 * Speculation: when the predictor expects the step to be valid, a finished bucket's gradients
   are cast-then-moved to ``host`` snapshots and the bucket is stepped on the engine worker
-  during backward, with an undo log (exact rollback, ops/cpu/AdamUndo.h). At ``step()`` the
-  worker validates it: the gradients must be bit for bit the snapshots (a ``clip_grad_norm_``
+  during backward, with an undo log (exact rollback, ops/cpu/AdamUndo.h), if that work is
+  expected to end before ``step()`` (Note [Speculation budget]; the others wait for step()).
+  At ``step()`` the worker validates it: the gradients must be bit for bit the snapshots (a ``clip_grad_norm_``
   that scaled them, a ``GradScaler.unscale_``, a hook, or a second ``backward()`` fails that)
   and the hyper-parameters unchanged; a failed bucket is rolled back and redone. A parameter
   or state read before ``step()`` (or ``zero_grad()`` / a new forward without ``step()``) rolls
@@ -33,6 +34,41 @@ from . import _C
 # Status codes of _C._AdamSpeculation (backend/engine/AdamBucket.h).
 _QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID = range(7)
 _MAX_BACKOFF = 64
+
+
+def speculation_policy() -> str:
+    """``SUPERCHIP_SPECULATION``: ``auto`` (default: Note [Speculation budget]), ``always``, ``never``."""
+    v = os.environ.get("SUPERCHIP_SPECULATION", "auto").strip().lower()
+    if v not in ("auto", "always", "never"):
+        raise ValueError(f"SUPERCHIP_SPECULATION must be auto, always or never, got {v!r}")
+    return v
+
+
+# Note [Speculation budget]
+# A speculative step costs the worker far more than the plain step: recording the undo log
+# (ops/cpu/AdamUndo.cpp) takes about 6.7x the plain step's CPU time. That is free while the
+# worker would idle through backward anyway, and a loss once it is not: speculative work still
+# queued at step() runs before the steps the next forward needs first (the first layers, which
+# backward finishes last), and the optimizer is the bottleneck whenever backward is short next
+# to the CPU step (a large model on a fast GPU, or few tokens per step). Measured on this VM, 8
+# Linear(2048) layers, batch 8: speculating every bucket made the step 1.17x the plain step's
+# and 1.27x the asynchronous step's without speculation.
+# So a bucket is speculated only when its speculation is expected to end before step():
+#   start = now, or when the speculations already queued this backward end if one is still
+#           waiting (estimated, and corrected as soon as the last one has run);
+#   end   = start + rate * elements   (rate: worker seconds per element, measured from
+#           finished speculations, AdamSpeculation::seconds);
+#   speculate when end <= ready + lead (ready: when the bucket's gradients were all in; lead:
+#           how long before step() that happened in recent backwards).
+# The rest are stepped at step(), in forward order, by the plain step. Until a rate and a lead
+# are known the bucket is speculated (that measures them). A backward in which nothing could be
+# measured lowers the rate by 10%, so an estimate inflated by one slow step is retried soon.
+# Exactness does not depend on the choice: step() validates the buckets that were speculated
+# and steps the others, each bucket bit for bit as the plain step does.
+# CUDA executor: `auto` speculates every bucket, as before the budget. There the hooks and
+# step() run when backward's kernels are queued, not when they have run, so these clocks would
+# see leads far shorter than the GPU's and defer buckets that fit. Measuring the leads there
+# needs device events (bench/results/gpu-check-h100.md, end).
 
 
 def overlap_default() -> bool:
@@ -84,12 +120,28 @@ class Engine:
         self.outstanding: list = []          # speculations whose outcome is not counted yet
         self.speculating = False
         self.multi_backward = False
+        # Note [Speculation budget]
+        self.policy = speculation_policy()
+        if self.policy == "never":
+            self.can_speculate = False
+        elif self.policy == "auto" and _C._executor() != "cpu":
+            self.policy = "always"
+        self.fired_at: dict = {}             # param -> its first hook's time, this backward
+        self.ready_at: dict = {}             # bucket -> when its gradients were all in
+        self.exposed_at: dict = {}           # bucket -> the exposed seconds at that moment
+        self.lead: dict = {}                 # bucket -> seconds from ready to step(), recently
+        self.rate = None                     # worker seconds per element of a speculation
+        self.samples = 0                     # speculations whose cost was measured
+        self.samples_seen = 0                # ... at the last backward's start
+        self.busy_until = 0.0                # when the speculations queued so far should end
+        self.last_spec = None
+        self.bucket_elements: list = []
         self.backoff = 1
         self.cooldown = 0
         self.probing = False
         self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
-                           probed_buckets=0,
+                           probed_buckets=0, deferred_buckets=0,
                            undo_bytes=0, undo_elements=0, undo_escapes=0)
         self.inline_seconds = 0.0
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
@@ -148,6 +200,7 @@ class Engine:
     # ---- during backward ----
 
     def _on_grad(self, p) -> None:
+        now = time.perf_counter()
         if not self.fired:
             self._begin_backward()
         n = self.fired.get(p, 0) + 1
@@ -158,17 +211,20 @@ class Engine:
             self.speculating = False
             return
         self.order.append(p)
-        if not (self.speculating or self.probing):
-            return
+        self.fired_at[p] = now
         b = self.bucket_of.get(p)
-        if not (b is None or b < self.tail or (self.probing and b != self.probe_bucket)):
+        if b is not None:
             self.ready[b] = self.ready.get(b, 0) + 1
             if self.ready[b] == len(self.buckets[b]):
-                if self.ddp is None:
-                    self._speculate(b, probe=self.probing)
-                else:
-                    self.awaiting.append(b)
-        if self.ddp is not None:
+                self.ready_at[b] = now
+                if self.rate is not None:  # the budget is in use: see _measure_leads
+                    self.exposed_at[b] = self._exposed()
+                if b >= self.tail and (self.speculating or (self.probing and b == self.probe_bucket)):
+                    if self.ddp is None:
+                        self._speculate(b, probe=self.probing)
+                    else:
+                        self.awaiting.append(b)
+        if self.ddp is not None and (self.speculating or self.probing):
             self._speculate_reduced()  # at every hook: a bucket's allreduce ends any time
 
     def _speculate_reduced(self) -> None:
@@ -198,7 +254,12 @@ class Engine:
     def _begin_backward(self) -> None:
         self.order = []
         self.ready = {}
+        self.fired_at, self.ready_at, self.exposed_at = {}, {}, {}
+        self.busy_until, self.last_spec = 0.0, None
         failed, committed, probe_valid, probe_invalid = self._harvest()
+        if self.speculating and self.samples == self.samples_seen and self.rate is not None:
+            self.rate *= 0.9  # nothing measured last backward: retry (Note [Speculation budget])
+        self.samples_seen = self.samples
         failed = failed or self.multi_backward
         self.multi_backward = False
         # The predictor, like a branch predictor. Speculate while the recent steps were valid.
@@ -261,6 +322,11 @@ class Engine:
                     failed = True
                 else:
                     committed = True
+                seconds = s.spec.seconds()
+                if seconds > 0 and s.spec.elements() > 0:
+                    sample = seconds / s.spec.elements()
+                    self.rate = sample if self.rate is None else 0.5 * (self.rate + sample)
+                    self.samples += 1
                 self.counts["undo_bytes"] += s.spec.undo_bytes()
                 self.counts["undo_escapes"] += s.spec.escapes()
                 self.counts["undo_elements"] += s.spec.elements()
@@ -269,7 +335,25 @@ class Engine:
         self.outstanding = keep
         return failed, committed, probe_valid, probe_invalid
 
+    def _fits(self, b: int) -> bool:
+        """Whether speculating bucket ``b`` should end before step() (Note [Speculation budget])."""
+        if self.policy == "always":
+            return True
+        now = time.perf_counter()
+        start = now
+        if self.last_spec is not None and self.last_spec.status() == _QUEUED:
+            start = max(now, self.busy_until)
+        end = start + (self.rate or 0.0) * self.bucket_elements[b]
+        lead = self.lead.get(b)
+        if self.rate is not None and lead is not None and end > self.ready_at.get(b, now) + lead:
+            return False
+        self.busy_until = end
+        return True
+
     def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
+        if not probe and not self._fits(b):
+            self.counts["deferred_buckets"] += 1
+            return  # stepped at step()
         params = self.buckets[b]
         parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
         if parts is None:
@@ -278,12 +362,15 @@ class Engine:
         _C._engine_speculate(spec, probe, grads_pending=grads is None)
         self.specs[b] = _Speculation(spec, probe)
         self.outstanding.append(self.specs[b])
+        if not probe:
+            self.last_spec = spec
         self.counts["probed_buckets" if probe else "speculated_buckets"] += 1
 
     # ---- step() ----
 
     def step(self) -> None:
         """Queues the step of every bucket in forward order; returns before they run."""
+        now = time.perf_counter()
         if not self.ddp_tried and self.can_speculate:
             # After the first backward, between backwards (Note [Speculation under DDP]).
             from . import distributed as _dist
@@ -292,6 +379,7 @@ class Engine:
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
             self.probe_bucket = None
         self._plan()
+        self._measure_leads(now)
         self.opt._engine_advance_steps()
         tail_parts = []
         for b in reversed(range(len(self.buckets))):
@@ -331,8 +419,33 @@ class Engine:
         self.specs = {}
         self.fired = {}
         self.ready = {}
+        self.fired_at, self.ready_at, self.exposed_at = {}, {}, {}
+        self.last_spec = None
         if stepped:
             self.counts["steps"] += 1
+
+    def _exposed(self) -> float:
+        return _C._engine_stats(self.owner)["exposed_seconds"]
+
+    def _measure_leads(self, now: float) -> None:
+        """Each bucket's time from its last gradient to step(), for Note [Speculation budget].
+
+        Less the time the training thread waited for the engine meanwhile (a clip_grad_norm_
+        reading gradients whose snapshots are queued behind speculative steps): counted in, a
+        speculation that overran would lengthen the lead that lets the next one overrun more."""
+        if self.multi_backward or not self.fired_at:
+            return  # accumulation: no speculation, and the first backward's times say nothing
+        exposed = self._exposed() if self.exposed_at else 0.0
+        for b, bucket in enumerate(self.buckets):
+            try:
+                lead = now - max(self.fired_at[p] for p in bucket)
+            except KeyError:
+                continue  # a parameter without a gradient this backward
+            if b in self.exposed_at:
+                lead -= exposed - self.exposed_at[b]
+            old = self.lead.get(b)
+            # Shorter at once, longer only halfway: a late step() once is no promise.
+            self.lead[b] = lead if old is None else min(lead, 0.5 * (old + lead))
 
     def _plan(self) -> None:
         """(Re)builds the buckets when the set of parameters with gradients changed."""
@@ -360,6 +473,8 @@ class Engine:
         if cur:
             self.buckets.append(cur)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.bucket_elements = [sum(p.numel() for p in bucket) for bucket in self.buckets]
+        self.lead = {}
         self.tail = self.opt._engine_place_state(self.buckets, self._choose_tail())
         self.specs = {}
         self.probe_bucket = None
@@ -418,6 +533,7 @@ class Engine:
             speculated_buckets=self.counts["speculated_buckets"],
             rolled_back_buckets=self.counts["rolled_back_buckets"],
             probed_buckets=self.counts["probed_buckets"],
+            deferred_buckets=self.counts["deferred_buckets"],
             steps=self.counts["steps"],
             skipped_steps=self.counts["skipped_steps"],
             optimizer_seconds=float(s["optimizer_seconds"] + self.inline_seconds),

@@ -26,6 +26,10 @@ import torch.nn.functional as F
 import superchip
 from superchip.distributed import ulysses_attention
 
+# The engine checks test speculation under DDP and FSDP2; how much of it runs must not depend
+# on this machine's speed (Note [Speculation budget] in superchip/engine.py).
+os.environ.setdefault("SUPERCHIP_SPECULATION", "always")
+
 DEV = torch.device("superchip:0")
 RANK = 0
 WORLD = 2

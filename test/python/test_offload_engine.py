@@ -6,6 +6,10 @@ LR scheduler; zero_grad(set_to_none=False); parameters read between backward() a
 a backward() whose step() never comes; a checkpoint resumed by superchip and by torch.optim.
 Small buckets make every model several buckets, so rollback, redo and forward-order stepping
 all run. offload_stats() is asserted to show what happened.
+
+Every test here but the speculation-budget ones runs with SUPERCHIP_SPECULATION=always: they
+test the speculative machinery, whose coverage must not depend on how fast this machine is
+(Note [Speculation budget] in superchip/engine.py decides from measured times).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from model import GPT, GPTConfig  # noqa: E402
 from helpers import run_python  # noqa: E402
 
 VOCAB = 97
+
+
+@pytest.fixture(autouse=True)
+def _speculate_always(monkeypatch):
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu()
@@ -725,3 +734,84 @@ def test_the_workers_casts_take_no_block_from_the_pool():
     (plain, _), (engine, speculated) = json.loads(result[len("RESULT "):])
     assert speculated > 0, r.stdout
     assert engine[2:] == plain[2:], r.stdout  # steady state (the first steps plan and allocate state)
+
+
+class _Pause(torch.nn.Module):
+    """Identity whose backward sleeps: the buckets backward finishes before it have that long
+    before step(), whatever else runs on the machine."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, seconds):
+            ctx.seconds = seconds
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            import time
+
+            time.sleep(ctx.seconds)
+            return g, None
+
+    def forward(self, x):
+        return self._Fn.apply(x, self.seconds)
+
+
+def _train_budget(overlap, steps=8):
+    # Five Linear(2048) at batch 1: backward computes almost nothing, so a speculative step
+    # (about 6.7x the plain step's CPU time: some 15 ms per layer here) cannot end before
+    # step() unless backward is still busy elsewhere. The pause after the first layer gives the
+    # four layers backward finishes first 0.3 s; the first layer's gradient comes last, with
+    # nothing left to do but step().
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(5)]
+    model = torch.nn.Sequential(layers[0], _Pause(0.3), *layers[1:]).to("superchip")
+    opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap, bucket_bytes=1)
+    g = torch.Generator().manual_seed(1)
+    specs, deferred = [], []
+    for _ in range(steps):
+        before = dict(opt._engine.counts) if overlap else None
+        model(torch.randn(1, 2048, generator=g).to("superchip")).square().mean().backward()
+        if overlap:
+            specs.append(opt._engine.counts["speculated_buckets"] - before["speculated_buckets"])
+            deferred.append(opt._engine.counts["deferred_buckets"] - before["deferred_buckets"])
+        opt.step()
+        opt.zero_grad()
+    torch.superchip.synchronize()
+    return [p.detach().cpu() for p in model.parameters()], opt, specs, deferred
+
+
+def test_speculation_that_would_outlast_backward_waits_for_step(monkeypatch):
+    # Note [Speculation budget] (superchip/engine.py). Before, every bucket was speculated:
+    # with backward short next to the CPU step, the speculative steps (undo log) ran on into
+    # the next forward ahead of the steps it needed first (measured: 8 Linear(2048), batch 8,
+    # 1.27x the step time of the asynchronous step without speculation).
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "auto")
+    ref, _, _, _ = _train_budget(False)
+    got, opt, specs, deferred = _train_budget(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)), "auto speculation vs overlap=False"
+    st = opt.offload_stats()
+    buckets = st["buckets"]
+    assert buckets == 5, st  # a layer each (bucket_bytes=1)
+    # Backward 1 plans the buckets, backward 2 speculates all of them (nothing is measured
+    # yet); from backward 3 on the 4 layers after the pause (backward's first) fit in its
+    # 0.3 s, and the first layer, whose gradient comes just before step(), never does.
+    assert specs[1] == buckets and deferred[1] == 0, (specs, deferred)
+    assert all(s == 4 and d == 1 for s, d in zip(specs[2:], deferred[2:])), (specs, deferred)
+    assert st["deferred_buckets"] == sum(deferred) and st["rolled_back_buckets"] == 0, st
+
+
+def test_speculation_policy_setting(monkeypatch):
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+    _, opt, specs, deferred = _train_budget(True, steps=3)
+    assert sum(specs) == 0 and sum(deferred) == 0 and opt.offload_stats()["probed_buckets"] == 0
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+    _, opt, specs, deferred = _train_budget(True, steps=3)
+    assert specs[1:] == [5, 5] and sum(deferred) == 0, (specs, deferred)
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "sometimes")
+    with pytest.raises(ValueError, match="SUPERCHIP_SPECULATION must be auto, always or never, got 'sometimes'"):
+        superchip.optim.AdamW([torch.zeros(2, device="superchip", requires_grad=True)])
