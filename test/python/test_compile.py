@@ -296,6 +296,46 @@ def test_dropout_draws_like_compiled_executor():
     assert 0.3 < (out["superchip"] == 0).float().mean() < 0.7
 
 
+class _CheckpointedBlock(torch.nn.Module):
+    """Attention and dropout (both random ops to AOTAutograd) recomputed in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+
+    def block(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.dropout(self.out(a.transpose(1, 2).reshape(x.shape)), p=0.3, training=True)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False).square().mean()
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
+def test_activation_checkpointing_with_random_ops_gives_the_compiled_cpu_bits():
+    # Compiled activation checkpointing wraps each random op it recomputes in
+    # run_and_save_rng_state / run_with_rng_state, which knew cpu, cuda, hpu and xpu only:
+    # "AssertionError: Backend not supported for superchip" (compiled HF Llama with
+    # gradient_checkpointing_enable()). Note [Why superchip patches Inductor], point 5.
+    torch.manual_seed(0)
+    base = _CheckpointedBlock()
+    x = torch.randn(2, 16, 32)
+    out = {}
+    for device in ("cpu", "superchip"):
+        model = copy.deepcopy(base).to(device)
+        torch.manual_seed(11)
+        loss = torch.compile(model, fullgraph=True)(x.to(device))
+        loss.backward()
+        after = torch.get_rng_state()  # the generator superchip's default one wraps here
+        out[device] = [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()] + [after]
+    for a, b in zip(out["superchip"], out["cpu"]):
+        assert torch.equal(a, b), (a.double() - b.double()).abs().max()
+
+
 def test_cpp_wrapper_is_rejected_clearly():
     import torch._inductor.config as inductor_config
 

@@ -24,6 +24,17 @@ still compare the device type with a fixed list instead of asking the registrati
    kernel, other kernel groupings, so autocast-fp16 training differed from compiled CPU in the
    last bits from the first step (seen by a user-flow probe). It answers as for the executor.
    Only a heuristic: where a torch lacks the function, nothing is patched.
+5. Activation checkpointing under compile (``torch.utils.checkpoint``, HF's
+   ``gradient_checkpointing_enable()``) wraps each random op of a recomputed region (dropout,
+   and SDPA, whose dropout argument makes it one) in the higher-order ops
+   ``run_and_save_rng_state`` / ``run_with_rng_state`` (torch/_prims/rng_prims.py), so the
+   recomputation draws the same numbers. Their device choice is a fixed map (cpu, cuda, hpu,
+   xpu) and anything else fails: ``AssertionError: Backend not supported for superchip``
+   (seen by a user-flow probe: compiled HF Llama with gradient checkpointing). Superchip's
+   default generator is its executor's (backend/runtime/SuperchipGenerator.h), so for
+   superchip tensors these ops save and restore ``torch.superchip``'s RNG state, in the
+   backend choice, the fake-tensor rule and a PrivateUse1 kernel; other devices keep theirs.
+   Where a torch lacks these names, nothing is patched (that error stays).
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -83,6 +94,7 @@ def apply() -> None:
     _patch_get_current_backend()
     _patch_is_cpu()
     _patch_ir_is_cpu()
+    _patch_rng_state_ops()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
@@ -153,3 +165,58 @@ def _patch_device_properties() -> None:
         return original(device)
 
     DeviceProperties.create = classmethod(create)
+
+
+def _superchip_device(args, kwargs):
+    """The superchip device of a random op's arguments (as rng_prims.get_device finds it), or None."""
+    device = kwargs.get("device")
+    if device is not None:
+        device = torch.device(device)
+    else:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    return device if device is not None and device.type == "superchip" else None
+
+
+def _patch_rng_state_ops() -> None:
+    try:
+        from torch._C import DispatchKey
+        from torch._higher_order_ops.utils import registered_hop_fake_fns
+        from torch._prims import rng_prims
+
+        save, replay = rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state
+        kernels = (save.py_kernels, replay.py_kernels)
+        if any(DispatchKey.BackendSelect not in k for k in kernels) or save not in registered_hop_fake_fns:
+            return
+    except (ImportError, AttributeError):
+        return  # point 5 above: nothing patched
+
+    def save_state(op, *args, **kwargs):
+        device = _superchip_device(args, kwargs)
+        return torch.superchip.get_rng_state(device), op(*args, **kwargs)
+
+    def with_state(rng_state, op, *args, **kwargs):
+        device = _superchip_device(args, kwargs)
+        current = torch.superchip.get_rng_state(device)
+        torch.superchip.set_rng_state(rng_state.cpu(), device)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch.superchip.set_rng_state(current, device)
+
+    def routed(original, ours, lead):
+        # lead: the arguments before the random op (run_with_rng_state's state).
+        def select(*args, **kwargs):
+            if _superchip_device(args[lead + 1:], kwargs) is not None:
+                return ours(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        select.__wrapped__ = original  # type: ignore[attr-defined]
+        return select
+
+    for hop, ours, lead in ((save, save_state, 0), (replay, with_state, 1)):
+        hop.py_kernels[DispatchKey.BackendSelect] = routed(hop.py_kernels[DispatchKey.BackendSelect], ours, lead)
+        if DispatchKey.PrivateUse1 not in hop.py_kernels:
+            hop.py_impl(DispatchKey.PrivateUse1)(ours)
+        getattr(hop, "_dispatch_cache", {}).clear()
+    # run_and_save_rng_state's fake rule calls the original backend choice directly.
+    registered_hop_fake_fns[save] = routed(registered_hop_fake_fns[save], save_state, 0)
