@@ -479,6 +479,10 @@ class Engine:
         self.specs = {}
         self.probe_bucket = None
 
+    def forget_buckets(self) -> None:
+        """The parameters changed (a new param group): step() plans the buckets again."""
+        self.buckets, self.bucket_of, self.bucket_elements, self.lead = [], {}, [], {}
+
     def bucket_bytes(self) -> int:
         if self.bucket_bytes_arg is not None:
             return int(self.bucket_bytes_arg)

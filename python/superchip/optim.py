@@ -238,7 +238,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             engine.stop()  # a CPU parameter joined a default-on engine: the plain step
         if engine is not None and engine.overlap:
             engine.add_hooks(self.param_groups[-1]["params"])
-            engine.buckets = []
+            engine.forget_buckets()
 
     def load_state_dict(self, state_dict: dict) -> None:
         if hasattr(self, "_engine"):

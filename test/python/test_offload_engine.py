@@ -845,3 +845,35 @@ def test_dropout_masks_are_the_plain_steps(monkeypatch):
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert torch.equal(rng, plain_rng)
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_layers_unfrozen_mid_training_by_a_new_param_group(monkeypatch, policy):
+    # Progressive unfreezing: frozen layers join through add_param_group after some steps.
+    # The engine plans its buckets again; the next backward's hooks then met the old plan's
+    # bucket index (IndexError in the engine's hook, once hooks counted every bucket).
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", policy)
+
+    def run(overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to("superchip")
+        for p in model[:2].parameters():
+            p.requires_grad_(False)
+        opt = superchip.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3,
+                                    overlap=overlap, bucket_bytes=1)
+        x = torch.randn(8, 64).to("superchip")
+        for i in range(6):
+            if i == 3:
+                for p in model[:2].parameters():
+                    p.requires_grad_(True)
+                opt.add_param_group({"params": list(model[:2].parameters()), "lr": 5e-4})
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        return [p.detach().cpu() for p in model.parameters()], opt
+
+    ref, _ = run(False)
+    got, opt = run(True)
+    assert opt.offload_stats()["buckets"] == 8 and opt.offload_stats()["speculated_buckets"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
