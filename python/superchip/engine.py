@@ -50,9 +50,9 @@ def speculation_policy() -> str:
 # worker would idle through backward anyway, and a loss once it is not: speculative work still
 # queued at step() runs before the steps the next forward needs first (the first layers, which
 # backward finishes last), and the optimizer is the bottleneck whenever backward is short next
-# to the CPU step (a large model on a fast GPU, or few tokens per step). Measured on this VM, 8
-# Linear(2048) layers, batch 8: speculating every bucket made the step 1.17x the plain step's
-# and 1.27x the asynchronous step's without speculation.
+# to the CPU step (a large model on a fast GPU, or few tokens per step). bench/offload.py's
+# optimizer-bound model on this VM: speculating every bucket made the step 1.28x the plain
+# step's time; with the budget below it is 0.93x.
 # So a bucket is speculated only when its speculation is expected to end before step():
 #   start = now, or when the speculations already queued this backward end if one is still
 #           waiting (estimated, and corrected as soon as the last one has run);
