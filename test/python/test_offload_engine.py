@@ -228,14 +228,14 @@ def test_checkpoint_resumes_identically_also_into_torch_optim(tmp_path):
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     ref_model, ref_opt, _, _ = _train(torch.float32, False, steps=3, clip=1.0)
 
-    def resume(opt_factory):
+    def resume(opt_factory, steps=2):
         m, _ = _make(torch.float32, False)
         ck = torch.load(path, map_location="superchip")
         m.load_state_dict(ck["model"])
         o = opt_factory(m)
         o.load_state_dict(ck["opt"])
         g = torch.Generator().manual_seed(7)
-        for _ in range(2):
+        for _ in range(steps):
             _, loss = m(_batch(g), _batch(g))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
@@ -250,10 +250,17 @@ def test_checkpoint_resumes_identically_also_into_torch_optim(tmp_path):
     a = resume(lambda m: superchip.optim.AdamW(groups(m), lr=3e-3, overlap=True, bucket_bytes=48 << 10))
     b = resume(lambda m: superchip.optim.AdamW(groups(m), lr=3e-3, overlap=False))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    # torch.optim.AdamW continues from the same checkpoint (its own arithmetic: close, not bitwise).
-    c = resume(lambda m: torch.optim.AdamW(groups(m), lr=3e-3, foreach=False))
-    for x, y in zip(a, c):
-        torch.testing.assert_close(x.view(torch.float32), y.view(torch.float32), rtol=1e-5, atol=1e-6)
+    # torch.optim.AdamW continues from the same checkpoint (its own arithmetic: a few ulps apart,
+    # not bitwise). One step: from the same gradients only the optimizers' arithmetic differs. A
+    # second step's gradients come from parameters already apart, and those of the attention's
+    # key bias are rounding noise (softmax ignores a constant added to every score), which Adam
+    # normalizes to steps of about lr (two steps: 1e-6 apart on an AVX-512 Xeon, within 1e-6 on
+    # the AVX2 EPYC this test first ran on).
+    a1 = resume(lambda m: superchip.optim.AdamW(groups(m), lr=3e-3, overlap=True, bucket_bytes=48 << 10), steps=1)
+    c = resume(lambda m: torch.optim.AdamW(groups(m), lr=3e-3, foreach=False), steps=1)
+    assert not all(torch.equal(x, y) for x, y in zip(a, a1))  # the step happened
+    for x, y in zip(a1, c):
+        torch.testing.assert_close(x.view(torch.float32), y.view(torch.float32), rtol=1e-6, atol=1e-8)
 
 
 def test_overlap_env_and_arguments(monkeypatch):
