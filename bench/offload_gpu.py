@@ -6,6 +6,8 @@ every step, trained with
 
   superchip, overlap=False   model.to("superchip"), superchip.optim.AdamW(overlap=False)
   superchip, engine          the same with the offload engine (overlap=True)
+  superchip, engine, always  the engine with SUPERCHIP_SPECULATION=always: every bucket
+                             speculated, against the default budget (Note [Speculation budget])
   GPU only, fused AdamW      model.to("cuda"), torch.optim.AdamW(fused=True): the same bf16
                              script with nothing offloaded (moments in bf16 on the GPU)
   FSDP2 + CPUOffloadPolicy   fp32 parameters sharded (world size 1) and offloaded to the CPU,
@@ -20,7 +22,7 @@ PrivateUse1 backend registered, torch 2.11 takes it for the accelerator and plai
 asserts). Step time = wall time of --steps steps after --warmup, synchronized at both ends.
 
     python bench/offload_gpu.py [--layers 24 --hidden 2048 --inter 5504 --heads 16]
-        [--batch 8 --seq 1024] [--steps 8 --warmup 3] [--configs engine,plain,cuda,fsdp2]
+        [--batch 8 --seq 1024] [--steps 8 --warmup 3] [--configs engine,always,plain,cuda,fsdp2]
         [--out bench/results/offload-gpu-<machine>.txt]
 
 `--device cpu` runs the same configurations on the CPU (CPU executor, gloo) with a tiny model:
@@ -43,6 +45,7 @@ from benchinfo import cpu_model, git_commit  # noqa: E402
 
 CONFIGS = {
     "engine": "superchip, engine",
+    "always": "superchip, engine, SUPERCHIP_SPECULATION=always",
     "plain": "superchip, overlap=False",
     "cuda": "GPU only, fused AdamW",
     "fsdp2": "FSDP2 + CPUOffloadPolicy",
@@ -71,7 +74,8 @@ def one(args, config):
     on_gpu = args.device == "cuda"
     sync = None
     extra = {}
-    if config in ("engine", "plain"):
+    engine = config in ("engine", "always")
+    if config in ("engine", "always", "plain"):
         import superchip
 
         want = "cuda" if on_gpu else "cpu"
@@ -79,7 +83,7 @@ def one(args, config):
             raise SystemExit(f"superchip's executor is {superchip.executor()}, this run needs {want}")
         model = build(args, torch.bfloat16).to("superchip")
         opt = superchip.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                    overlap=config == "engine")
+                                    overlap=engine)
         dev = "superchip"
 
         def sync():
@@ -127,7 +131,7 @@ def one(args, config):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sync()
-            if config == "engine":
+            if engine:
                 base = opt.offload_stats()
             t0 = time.perf_counter()
         x = batches[i % len(batches)].to(dev)
@@ -145,7 +149,7 @@ def one(args, config):
              params=sum(p.numel() for p in model.parameters()), **extra)
     if on_gpu:
         r["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
-    if config in ("engine", "plain"):
+    if config in ("engine", "always", "plain"):
         import superchip
 
         s = superchip.memory_stats()
@@ -153,7 +157,7 @@ def one(args, config):
         r["host_peak_bytes"] = s["host.peak_allocated_bytes"]
         st = opt.offload_stats()
         r["offload_stats"] = st
-        if config == "engine":
+        if engine:
             n = args.steps
             opt_s = (st["optimizer_seconds"] - base["optimizer_seconds"]) / n
             exp_s = (st["exposed_seconds"] - base["exposed_seconds"]) / n
@@ -185,7 +189,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every config")
-    ap.add_argument("--configs", default="engine,plain,cuda,fsdp2")
+    ap.add_argument("--configs", default="engine,always,plain,cuda,fsdp2")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SUPERCHIP_COMMIT") or git_commit())
@@ -230,8 +234,9 @@ def main():
         if args.checkpointing:
             cmd.append("--checkpointing")
         env = dict(os.environ)
-        if c in ("engine", "plain"):
+        if c in ("engine", "always", "plain"):
             env["SUPERCHIP_EXECUTOR"] = "cuda" if args.device == "cuda" else "cpu"
+            env["SUPERCHIP_SPECULATION"] = "always" if c == "always" else "auto"
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -253,10 +258,10 @@ def main():
             mem += f", hbm peak {r['hbm_peak_bytes'] / gib:.1f} GiB, host peak {r['host_peak_bytes'] / gib:.1f} GiB"
         out(f"{CONFIGS[c]}: {r['params'] / 1e9:.2f}B params, step {r['step_seconds'] * 1e3:.0f} ms, "
             f"{r['tokens_per_s']:.0f} tokens/s{mem} ({time.perf_counter() - t:.0f} s with the build)")
-        if c == "engine":
+        if c in ("engine", "always"):
             out(f"    engine: optimizer {r['optimizer_seconds'] * 1e3:.0f} ms/step, exposed "
                 f"{r['exposed_seconds'] * 1e3:.0f} ms/step, hidden {100 * r['hidden']:.0f}%; counters "
-                f"{ {k: r['offload_stats'][k] for k in ('buckets', 'tail_buckets', 'speculated_buckets', 'rolled_back_buckets')} }")
+                f"{ {k: r['offload_stats'][k] for k in ('buckets', 'tail_buckets', 'speculated_buckets', 'deferred_buckets', 'rolled_back_buckets')} }")
         if c == "fsdp2":
             out(f"    optimizer: torch.optim.AdamW ({r['fsdp2_optimizer']}) on the CPU shards")
         out(f"    losses {[round(x, 4) for x in r['losses']]}")

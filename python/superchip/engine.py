@@ -23,6 +23,7 @@ The engine's C++ half lives in backend/engine/; this module is its bookkeeping.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -53,22 +54,36 @@ def speculation_policy() -> str:
 # to the CPU step (a large model on a fast GPU, or few tokens per step). bench/offload.py's
 # optimizer-bound model on this VM: speculating every bucket made the step 1.28x the plain
 # step's time; with the budget below it is 0.93x.
-# So a bucket is speculated only when its speculation is expected to end before step():
-#   start = now, or when the speculations already queued this backward end if one is still
-#           waiting (estimated, and corrected as soon as the last one has run);
-#   end   = start + rate * elements   (rate: worker seconds per element, measured from
-#           finished speculations, AdamSpeculation::seconds);
-#   speculate when end <= ready + lead (ready: when the bucket's gradients were all in; lead:
-#           how long before step() that happened in recent backwards).
+# So a bucket is speculated only when its speculation is expected to end before step().
+# Times are counted backwards from step() ("slack"): bucket b's gradients are all in `lead_b`
+# seconds before step() (measured in recent backwards), the worker runs the speculations in
+# the order they are queued, and each costs rate * elements (rate: worker seconds per element,
+# measured from finished speculations, AdamSpeculation::seconds). With S the slack at which the
+# speculations already queued this backward end (infinite while the worker is idle):
+#   start = min(lead_b, S)            (the later of b's readiness and the queue's end)
+#   end   = start - rate * elements_b
+#   speculate when end >= 0, and then S = end.
 # The rest are stepped at step(), in forward order, by the plain step. Until a rate and a lead
 # are known the bucket is speculated (that measures them). A backward in which nothing could be
 # measured lowers the rate by 10%, so an estimate inflated by one slow step is retried soon.
 # Exactness does not depend on the choice: step() validates the buckets that were speculated
 # and steps the others, each bucket bit for bit as the plain step does.
-# CUDA executor: `auto` speculates every bucket, as before the budget. There the hooks and
-# step() run when backward's kernels are queued, not when they have run, so these clocks would
-# see leads far shorter than the GPU's and defer buckets that fit. Measuring the leads there
-# needs device events (bench/results/gpu-check-h100.md, end).
+# The leads are read from device events, recorded on the current stream when a bucket's last
+# gradient is in and at step(), and read once the step()'s event has completed (at the next
+# backward, or at once where they already have). On the CPU executor an event is the host's
+# clock at record(); on the CUDA executor it is the GPU's: there the hooks and step() run when
+# backward's kernels are queued, well before they have run, so host clocks saw leads far
+# shorter than the GPU's (before the events, `auto` speculated every bucket on CUDA). The
+# worker's own start is the GPU's too: it waits for a bucket's gradients before copying them.
+# Less the time the training thread waited for the engine between a bucket's readiness and
+# step() (a clip_grad_norm_ reading gradients whose snapshots are queued behind speculative
+# steps): counted in, a speculation that overran would lengthen the lead that lets the next
+# one overrun more.
+
+
+def _timing_event(device) -> torch.Event:
+    """An event on ``device`` whose elapsed_time() is its device's (Note [Speculation budget])."""
+    return torch.Event(device=device, enable_timing=True)
 
 
 def overlap_default() -> bool:
@@ -124,16 +139,16 @@ class Engine:
         self.policy = speculation_policy()
         if self.policy == "never":
             self.can_speculate = False
-        elif self.policy == "auto" and _C._executor() != "cpu":
-            self.policy = "always"
-        self.fired_at: dict = {}             # param -> its first hook's time, this backward
-        self.ready_at: dict = {}             # bucket -> when its gradients were all in
+        self.ready_ev: dict = {}             # bucket -> event recorded when its gradients were all in
+        self.ready_ok: set = set()           # buckets whose ready_ev holds this backward's time
         self.exposed_at: dict = {}           # bucket -> the exposed seconds at that moment
+        self.step_ev = None                  # recorded at step(): the leads end there
+        self.leads_due = None                # (buckets, exposed at step()) to read at step_ev
         self.lead: dict = {}                 # bucket -> seconds from ready to step(), recently
         self.rate = None                     # worker seconds per element of a speculation
         self.samples = 0                     # speculations whose cost was measured
         self.samples_seen = 0                # ... at the last backward's start
-        self.busy_until = 0.0                # when the speculations queued so far should end
+        self.slack = math.inf                # seconds before step() the queued speculations end
         self.last_spec = None
         self.bucket_elements: list = []
         self.backoff = 1
@@ -200,7 +215,6 @@ class Engine:
     # ---- during backward ----
 
     def _on_grad(self, p) -> None:
-        now = time.perf_counter()
         if not self.fired:
             self._begin_backward()
         n = self.fired.get(p, 0) + 1
@@ -211,14 +225,15 @@ class Engine:
             self.speculating = False
             return
         self.order.append(p)
-        self.fired_at[p] = now
         b = self.bucket_of.get(p)
         if b is not None:
             self.ready[b] = self.ready.get(b, 0) + 1
             if self.ready[b] == len(self.buckets[b]):
-                self.ready_at[b] = now
-                if self.rate is not None:  # the budget is in use: see _measure_leads
-                    self.exposed_at[b] = self._exposed()
+                if self.policy == "auto":  # Note [Speculation budget]: its lead starts here
+                    self._record(self.ready_ev, b, p.device)
+                    self.ready_ok.add(b)
+                    if self.rate is not None:
+                        self.exposed_at[b] = self._exposed()
                 if b >= self.tail and (self.speculating or (self.probing and b == self.probe_bucket)):
                     if self.ddp is None:
                         self._speculate(b, probe=self.probing)
@@ -254,8 +269,11 @@ class Engine:
     def _begin_backward(self) -> None:
         self.order = []
         self.ready = {}
-        self.fired_at, self.ready_at, self.exposed_at = {}, {}, {}
-        self.busy_until, self.last_spec = 0.0, None
+        # The last step()'s leads, before this backward records its events over them (not run
+        # yet on the device: dropped, the next step() measures again).
+        self._read_leads()
+        self.leads_due, self.ready_ok, self.exposed_at = None, set(), {}
+        self.slack, self.last_spec = math.inf, None
         failed, committed, probe_valid, probe_invalid = self._harvest()
         if self.speculating and self.samples == self.samples_seen and self.rate is not None:
             self.rate *= 0.9  # nothing measured last backward: retry (Note [Speculation budget])
@@ -339,15 +357,13 @@ class Engine:
         """Whether speculating bucket ``b`` should end before step() (Note [Speculation budget])."""
         if self.policy == "always":
             return True
-        now = time.perf_counter()
-        start = now
-        if self.last_spec is not None and self.last_spec.status() == _QUEUED:
-            start = max(now, self.busy_until)
-        end = start + (self.rate or 0.0) * self.bucket_elements[b]
-        lead = self.lead.get(b)
-        if self.rate is not None and lead is not None and end > self.ready_at.get(b, now) + lead:
+        if self.last_spec is None or self.last_spec.status() != _QUEUED:
+            self.slack = math.inf  # the worker has run everything queued so far
+        start = min(self.lead.get(b, math.inf), self.slack)
+        end = start - (self.rate or 0.0) * self.bucket_elements[b]
+        if self.rate is not None and b in self.lead and end < 0:
             return False
-        self.busy_until = end
+        self.slack = end
         return True
 
     def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
@@ -370,7 +386,6 @@ class Engine:
 
     def step(self) -> None:
         """Queues the step of every bucket in forward order; returns before they run."""
-        now = time.perf_counter()
         if not self.ddp_tried and self.can_speculate:
             # After the first backward, between backwards (Note [Speculation under DDP]).
             from . import distributed as _dist
@@ -379,7 +394,7 @@ class Engine:
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
             self.probe_bucket = None
         self._plan()
-        self._measure_leads(now)
+        self._mark_leads()
         self.opt._engine_advance_steps()
         tail_parts = []
         for b in reversed(range(len(self.buckets))):
@@ -419,7 +434,7 @@ class Engine:
         self.specs = {}
         self.fired = {}
         self.ready = {}
-        self.fired_at, self.ready_at, self.exposed_at = {}, {}, {}
+        self.ready_ok, self.exposed_at = set(), {}
         self.last_spec = None
         if stepped:
             self.counts["steps"] += 1
@@ -427,22 +442,38 @@ class Engine:
     def _exposed(self) -> float:
         return _C._engine_stats(self.owner)["exposed_seconds"]
 
-    def _measure_leads(self, now: float) -> None:
-        """Each bucket's time from its last gradient to step(), for Note [Speculation budget].
+    @staticmethod
+    def _record(events: dict, key, device) -> None:
+        ev = events.get(key)
+        if ev is None:
+            ev = events[key] = _timing_event(device)
+        ev.record()
 
-        Less the time the training thread waited for the engine meanwhile (a clip_grad_norm_
-        reading gradients whose snapshots are queued behind speculative steps): counted in, a
-        speculation that overran would lengthen the lead that lets the next one overrun more."""
-        if self.multi_backward or not self.fired_at:
+    def _mark_leads(self) -> None:
+        """At step(): the leads of this backward's buckets end now (Note [Speculation budget])."""
+        self.leads_due = None
+        if self.multi_backward or not self.ready_ok:
             return  # accumulation: no speculation, and the first backward's times say nothing
+        if self.step_ev is None:
+            self.step_ev = _timing_event(self.ready_ev[next(iter(self.ready_ok))].device)
+        self.step_ev.record()
         exposed = self._exposed() if self.exposed_at else 0.0
-        for b, bucket in enumerate(self.buckets):
-            try:
-                lead = now - max(self.fired_at[p] for p in bucket)
-            except KeyError:
-                continue  # a parameter without a gradient this backward
-            if b in self.exposed_at:
-                lead -= exposed - self.exposed_at[b]
+        self.leads_due = ({b: self.exposed_at.get(b) for b in self.ready_ok}, exposed)
+        self._read_leads()  # the CPU executor's events are complete at once
+
+    def _read_leads(self) -> None:
+        """Each bucket's time from its last gradient to step(), once the events have run."""
+        if self.leads_due is None or not self.step_ev.query():
+            return  # not yet: the next backward, or the one after, reads them
+        due, exposed = self.leads_due
+        self.leads_due = None
+        for b, exposed_then in due.items():
+            ev = self.ready_ev.get(b)
+            if ev is None or not ev.query() or b >= len(self.buckets):
+                continue
+            lead = ev.elapsed_time(self.step_ev) / 1e3
+            if exposed_then is not None:
+                lead -= exposed - exposed_then
             old = self.lead.get(b)
             # Shorter at once, longer only halfway: a late step() once is no promise.
             self.lead[b] = lead if old is None else min(lead, 0.5 * (old + lead))
@@ -474,14 +505,19 @@ class Engine:
             self.buckets.append(cur)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.bucket_elements = [sum(p.numel() for p in bucket) for bucket in self.buckets]
-        self.lead = {}
+        self._forget_leads()
         self.tail = self.opt._engine_place_state(self.buckets, self._choose_tail())
         self.specs = {}
         self.probe_bucket = None
 
     def forget_buckets(self) -> None:
         """The parameters changed (a new param group): step() plans the buckets again."""
-        self.buckets, self.bucket_of, self.bucket_elements, self.lead = [], {}, [], {}
+        self.buckets, self.bucket_of, self.bucket_elements = [], {}, []
+        self._forget_leads()
+
+    def _forget_leads(self) -> None:
+        # Bucket indices change meaning: what was measured or recorded for them is void.
+        self.lead, self.ready_ev, self.ready_ok, self.exposed_at, self.leads_due = {}, {}, set(), {}, None
 
     def bucket_bytes(self) -> int:
         if self.bucket_bytes_arg is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -810,6 +811,71 @@ def test_speculation_that_would_outlast_backward_waits_for_step(monkeypatch):
     assert specs[1] == buckets and deferred[1] == 0, (specs, deferred)
     assert all(s == 4 and d == 1 for s, d in zip(specs[2:], deferred[2:])), (specs, deferred)
     assert st["deferred_buckets"] == sum(deferred) and st["rolled_back_buckets"] == 0, st
+
+
+class _DeviceClock:
+    """Events as the CUDA executor's: their times are the device's, which runs behind the host.
+    A _QueuedPause adds its seconds here and returns at once, as a queued kernel does."""
+
+    def __init__(self):
+        self.behind = 0.0
+
+    def event(self, device):
+        clock = self
+
+        class _Event:
+            def __init__(self):
+                self.device, self.at = device, None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter() + clock.behind
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+        return _Event()
+
+
+class _QueuedPause(torch.nn.Module):
+    def __init__(self, clock, seconds):
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, pause):
+            ctx.pause = pause
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.pause.clock.behind += ctx.pause.seconds
+            return g, None
+
+    def forward(self, x):
+        return self._Fn.apply(x, self)
+
+
+def test_speculation_budget_reads_the_devices_clock(monkeypatch):
+    # On the CUDA executor the hooks and step() run when backward's kernels are queued: by the
+    # host's clock every lead is about 0 and the budget would defer every bucket, so `auto`
+    # speculated them all there. The leads now come from device events (Note [Speculation
+    # budget]). Here the device falls behind the host in the first layer's backward, the host
+    # does not wait: the same split as the real pause above, by the events alone.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "auto")
+    clock = _DeviceClock()
+    monkeypatch.setattr(superchip.engine, "_timing_event", clock.event)
+    # 1 s on the device, none on the host: a wide margin for the four speculations to fit.
+    monkeypatch.setattr(sys.modules[__name__], "_Pause", lambda seconds: _QueuedPause(clock, 1.0))
+    ref, _, _, _ = _train_budget(False)
+    got, opt, specs, deferred = _train_budget(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert specs[1] == 5 and deferred[1] == 0, (specs, deferred)
+    assert all(s == 4 and d == 1 for s, d in zip(specs[2:], deferred[2:])), (specs, deferred)
+    assert clock.behind > 0 and opt.offload_stats()["rolled_back_buckets"] == 0
 
 
 def test_speculation_policy_setting(monkeypatch):
