@@ -35,6 +35,7 @@ from . import _C
 # Status codes of _C._AdamSpeculation (backend/engine/AdamBucket.h).
 _QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID = range(7)
 _MAX_BACKOFF = 64
+_LEAN_EXPOSED = 0.1  # Note [Speculation budget]: the wait a lean step may leave, per worker second
 
 
 def speculation_policy() -> str:
@@ -68,6 +69,19 @@ def speculation_policy() -> str:
 # measured lowers the rate by 10%, so an estimate inflated by one slow step is retried soon.
 # Exactness does not depend on the choice: step() validates the buckets that were speculated
 # and steps the others, each bucket bit for bit as the plain step does.
+# Before any of that: speculation only pays where the asynchronous step alone would leave the
+# next forward waiting. Where the forward is long next to the plain step (compute-bound
+# training), stepping every bucket at step() hides it all, and speculating would spend 4-7x
+# the CPU time for nothing (on this 2-core VM, where the worker shares the executor's cores:
+# the demo GPT's step 1.11x overlap=False's with speculation, 1.0x without). So `auto` starts
+# lean: no bucket is speculated, and each step's plain jobs are measured from step() to the
+# next backward (by then the forward has read every parameter it steps): the time the
+# training thread waited for them, against the worker time they took. While the wait stays
+# within _LEAN_EXPOSED of the work, the engine stays lean; past it twice in a row (once can be
+# the worker descheduled for a moment: measured, a lone 5 ms wait then cost a whole model's
+# speculation and rollback), it speculates within the budget below, and tries a lean step
+# again after 1, 2, 4, ... 64 steps (doubling with each trial that fails, reset by one that
+# holds).
 # The leads are read from device events, recorded on the current stream when a bucket's last
 # gradient is in and at step(), and read once the step()'s event has completed (at the next
 # backward, or at once where they already have). On the CPU executor an event is the host's
@@ -149,6 +163,12 @@ class Engine:
         self.samples = 0                     # speculations whose cost was measured
         self.samples_seen = 0                # ... at the last backward's start
         self.slack = math.inf                # seconds before step() the queued speculations end
+        self.lean = self.policy == "auto"    # this backward speculates nothing
+        self.lean_mark = None                # (exposed, optimizer seconds) at a lean step()
+        self.lean_wait = 0                   # speculating backwards before the next lean one
+        self.lean_backoff = 1
+        self.lean_misses = 0                 # lean steps in a row that left the forward waiting
+        self.lean_trial = False              # this lean step is a trial after speculating
         self.last_spec = None
         self.bucket_elements: list = []
         self.backoff = 1
@@ -156,7 +176,7 @@ class Engine:
         self.probing = False
         self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
-                           probed_buckets=0, deferred_buckets=0,
+                           probed_buckets=0, deferred_buckets=0, lean_steps=0,
                            undo_bytes=0, undo_elements=0, undo_escapes=0)
         self.inline_seconds = 0.0
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
@@ -295,6 +315,8 @@ class Engine:
         elif probe_valid and self.cooldown > 0:
             self.cooldown -= 1
         ok = self.can_speculate and bool(self.buckets) and len(self.buckets) > self.tail
+        self._judge_lean()
+        ok = ok and not self.lean
         self.speculating = ok and self.cooldown == 0
         self.probing = ok and self.cooldown > 0
         if self.ddp is not None:
@@ -317,6 +339,32 @@ class Engine:
                 sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
                          for b in range(self.tail, len(self.buckets))}
                 self.probe_bucket = min(sizes, key=sizes.get)
+
+    def _judge_lean(self) -> None:
+        """Whether this backward leaves every bucket to the asynchronous step (Note
+        [Speculation budget]): judged from the last lean step's wait against its work."""
+        if self.policy != "auto":
+            return
+        mark, self.lean_mark = self.lean_mark, None
+        if mark is not None:
+            s = _C._engine_stats(self.owner)
+            work = s["optimizer_seconds"] - mark[1]
+            if work > 0:
+                if s["exposed_seconds"] - mark[0] <= _LEAN_EXPOSED * work:
+                    self.lean, self.lean_backoff, self.lean_misses, self.lean_trial = True, 1, 0, False
+                else:
+                    # One wait can be the worker descheduled for a moment: a lean run speculates
+                    # after two in a row (a trial, after one).
+                    self.lean_misses += 1
+                    if self.lean_trial or self.lean_misses >= 2:
+                        self.lean, self.lean_wait, self.lean_misses = False, self.lean_backoff, 0
+                        self.lean_backoff = min(2 * self.lean_backoff, _MAX_BACKOFF)
+            return
+        if not self.lean:
+            if self.lean_wait > 0:
+                self.lean_wait -= 1
+            else:
+                self.lean, self.lean_trial = True, True  # a lean step on trial
 
     def _harvest(self) -> tuple[bool, bool, bool, bool]:
         """Counts the outcomes of finished speculations and probes.
@@ -395,6 +443,10 @@ class Engine:
             self.probe_bucket = None
         self._plan()
         self._mark_leads()
+        if self.lean and self.fired and not self.multi_backward and self.buckets:
+            s = _C._engine_stats(self.owner)
+            self.lean_mark = (s["exposed_seconds"], s["optimizer_seconds"])
+            self.counts["lean_steps"] += 1
         self.opt._engine_advance_steps()
         tail_parts = []
         for b in reversed(range(len(self.buckets))):
@@ -574,6 +626,7 @@ class Engine:
             rolled_back_buckets=self.counts["rolled_back_buckets"],
             probed_buckets=self.counts["probed_buckets"],
             deferred_buckets=self.counts["deferred_buckets"],
+            lean_steps=self.counts["lean_steps"],
             steps=self.counts["steps"],
             skipped_steps=self.counts["skipped_steps"],
             optimizer_seconds=float(s["optimizer_seconds"] + self.inline_seconds),

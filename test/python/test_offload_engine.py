@@ -769,18 +769,21 @@ class _Pause(torch.nn.Module):
         return self._Fn.apply(x, self.seconds)
 
 
-def _train_budget(overlap, steps=8):
+def _train_budget(overlap, steps=8, first=None):
     # Five Linear(2048) at batch 1: backward computes almost nothing, so a speculative step
-    # (about 6.7x the plain step's CPU time: some 15 ms per layer here) cannot end before
+    # (about 4-7x the plain step's CPU time: some 15 ms per layer here) cannot end before
     # step() unless backward is still busy elsewhere. The pause after the first layer gives the
     # four layers backward finishes first 0.3 s; the first layer's gradient comes last, with
-    # nothing left to do but step().
+    # nothing left to do but step(). The forward computes almost nothing either, so the plain
+    # steps left to it keep it waiting: the engine does not stay lean (`first`: a module run
+    # before the first layer).
     torch.manual_seed(0)
     layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(5)]
-    model = torch.nn.Sequential(layers[0], _Pause(0.3), *layers[1:]).to("superchip")
+    head = [first] if first is not None else []
+    model = torch.nn.Sequential(*head, layers[0], _Pause(0.3), *layers[1:]).to("superchip")
     opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap, bucket_bytes=1)
     g = torch.Generator().manual_seed(1)
-    specs, deferred = [], []
+    specs, deferred, lean = [], [], []
     for _ in range(steps):
         before = dict(opt._engine.counts) if overlap else None
         model(torch.randn(1, 2048, generator=g).to("superchip")).square().mean().backward()
@@ -788,9 +791,27 @@ def _train_budget(overlap, steps=8):
             specs.append(opt._engine.counts["speculated_buckets"] - before["speculated_buckets"])
             deferred.append(opt._engine.counts["deferred_buckets"] - before["deferred_buckets"])
         opt.step()
+        if overlap:
+            lean.append(opt._engine.counts["lean_steps"] - before["lean_steps"])
         opt.zero_grad()
     torch.superchip.synchronize()
-    return [p.detach().cpu() for p in model.parameters()], opt, specs, deferred
+    return [p.detach().cpu() for p in model.parameters()], opt, specs, deferred, lean
+
+
+def _assert_budget_split(specs, deferred, lean, st):
+    # Backward 1 plans the buckets; steps 1 and 2 are lean, and their plain steps keep the next
+    # forward waiting, so backward 3 speculates, all five (nothing is measured yet); from
+    # backward 4 on the 4 layers after the pause (backward's first) fit in its 0.3 s, and the
+    # first layer, whose gradient comes just before step(), never does; except in lean steps
+    # tried now and then (each fails here).
+    assert st["buckets"] == 5, st  # a layer each (bucket_bytes=1)
+    assert lean[:2] == [1, 1] and specs[:2] == [0, 0], (specs, deferred, lean)
+    assert specs[2] == 5 and deferred[2] == 0 and lean[2] == 0, (specs, deferred, lean)
+    split = [(s, d, l) for s, d, l in zip(specs[3:], deferred[3:], lean[3:])]
+    assert all(x in ((4, 1, 0), (0, 0, 1)) for x in split), (specs, deferred, lean)
+    assert sum(l for _, _, l in split) <= 2, lean  # trials back off: after 1, then 2, then 4 steps
+    assert sum(s for s, _, _ in split) >= 8, (specs, deferred, lean)
+    assert st["deferred_buckets"] == sum(deferred) and st["rolled_back_buckets"] == 0, st
 
 
 def test_speculation_that_would_outlast_backward_waits_for_step(monkeypatch):
@@ -799,18 +820,39 @@ def test_speculation_that_would_outlast_backward_waits_for_step(monkeypatch):
     # the next forward ahead of the steps it needed first (measured: 8 Linear(2048), batch 8,
     # 1.27x the step time of the asynchronous step without speculation).
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "auto")
-    ref, _, _, _ = _train_budget(False)
-    got, opt, specs, deferred = _train_budget(True)
+    ref, _, _, _, _ = _train_budget(False)
+    got, opt, specs, deferred, lean = _train_budget(True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "auto speculation vs overlap=False"
+    _assert_budget_split(specs, deferred, lean, opt.offload_stats())
+
+
+class _ForwardPause(torch.nn.Module):
+    """Sleeps in forward: a forward long next to the optimizer's step."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+
+def test_a_forward_that_hides_the_plain_step_speculates_nothing(monkeypatch):
+    # Note [Speculation budget]: where the next forward is long enough to hide the asynchronous
+    # step, speculating costs 4-7x the CPU time and hides nothing more (demo GPT on this VM:
+    # the step 1.11x overlap=False's with speculation, 1.0x without). A 0.3 s forward before the
+    # first layer: the engine stays lean, every step, under `auto`; `always` still speculates.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "auto")
+    ref, _, _, _, _ = _train_budget(False, steps=5, first=_ForwardPause(0.3))
+    got, opt, specs, deferred, lean = _train_budget(True, steps=5, first=_ForwardPause(0.3))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
     st = opt.offload_stats()
-    buckets = st["buckets"]
-    assert buckets == 5, st  # a layer each (bucket_bytes=1)
-    # Backward 1 plans the buckets, backward 2 speculates all of them (nothing is measured
-    # yet); from backward 3 on the 4 layers after the pause (backward's first) fit in its
-    # 0.3 s, and the first layer, whose gradient comes just before step(), never does.
-    assert specs[1] == buckets and deferred[1] == 0, (specs, deferred)
-    assert all(s == 4 and d == 1 for s, d in zip(specs[2:], deferred[2:])), (specs, deferred)
-    assert st["deferred_buckets"] == sum(deferred) and st["rolled_back_buckets"] == 0, st
+    assert lean == [1] * 5 and sum(specs) == 0 and sum(deferred) == 0, (specs, deferred, lean)
+    assert st["lean_steps"] == 5 and st["speculated_buckets"] == 0 and st["probed_buckets"] == 0, st
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+    _, opt, specs, _, lean = _train_budget(True, steps=3, first=_ForwardPause(0.3))
+    assert specs[1:] == [5, 5] and sum(lean) == 0, (specs, lean)
 
 
 class _DeviceClock:
@@ -870,20 +912,19 @@ def test_speculation_budget_reads_the_devices_clock(monkeypatch):
     monkeypatch.setattr(superchip.engine, "_timing_event", clock.event)
     # 1 s on the device, none on the host: a wide margin for the four speculations to fit.
     monkeypatch.setattr(sys.modules[__name__], "_Pause", lambda seconds: _QueuedPause(clock, 1.0))
-    ref, _, _, _ = _train_budget(False)
-    got, opt, specs, deferred = _train_budget(True)
+    ref, _, _, _, _ = _train_budget(False)
+    got, opt, specs, deferred, lean = _train_budget(True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    assert specs[1] == 5 and deferred[1] == 0, (specs, deferred)
-    assert all(s == 4 and d == 1 for s, d in zip(specs[2:], deferred[2:])), (specs, deferred)
-    assert clock.behind > 0 and opt.offload_stats()["rolled_back_buckets"] == 0
+    _assert_budget_split(specs, deferred, lean, opt.offload_stats())
+    assert clock.behind > 0
 
 
 def test_speculation_policy_setting(monkeypatch):
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
-    _, opt, specs, deferred = _train_budget(True, steps=3)
+    _, opt, specs, deferred, _ = _train_budget(True, steps=3)
     assert sum(specs) == 0 and sum(deferred) == 0 and opt.offload_stats()["probed_buckets"] == 0
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
-    _, opt, specs, deferred = _train_budget(True, steps=3)
+    _, opt, specs, deferred, _ = _train_budget(True, steps=3)
     assert specs[1:] == [5, 5] and sum(deferred) == 0, (specs, deferred)
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "sometimes")
     with pytest.raises(ValueError, match="SUPERCHIP_SPECULATION must be auto, always or never, got 'sometimes'"):
@@ -948,5 +989,7 @@ def test_layers_unfrozen_mid_training_by_a_new_param_group(monkeypatch, policy):
 
     ref, _ = run(False)
     got, opt = run(True)
-    assert opt.offload_stats()["buckets"] == 8 and opt.offload_stats()["speculated_buckets"] > 0
+    st = opt.offload_stats()
+    # `auto` may stay lean here (a forward long next to the step): the hooks count buckets all the same.
+    assert st["buckets"] == 8 and st["speculated_buckets" if policy == "always" else "steps"] > 0, st
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
