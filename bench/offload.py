@@ -226,7 +226,7 @@ def main():
                 f"{eng['step'] / plain['step']:.3f}")
             out(f"  engine counters over all {st['steps']} steps: {st['buckets']} buckets, speculated "
                 f"{st['speculated_buckets']}, deferred to step() {st['deferred_buckets']}, rolled back "
-                f"{st['rolled_back_buckets']}, probed {st['probed_buckets']}; undo log "
+                f"{st['rolled_back_buckets']}, probed {st['probed_buckets']}, lean steps {st['lean_steps']}; undo log "
                 f"{st['undo_bytes_per_param']:.2f} B/param")
             record = dict(model=plain["name"], clip=label, plain_step_s=plain["step"],
                           plain_optimizer_s=plain["optimizer"], engine_step_s=eng["step"],

@@ -53,8 +53,8 @@ def speculation_policy() -> str:
 # queued at step() runs before the steps the next forward needs first (the first layers, which
 # backward finishes last), and the optimizer is the bottleneck whenever backward is short next
 # to the CPU step (a large model on a fast GPU, or few tokens per step). bench/offload.py's
-# optimizer-bound model on this VM: speculating every bucket made the step 1.28x the plain
-# step's time; with the budget below it is 0.93x.
+# optimizer-bound model: speculating every bucket made the step 1.28x the plain step's time on
+# a 2-core EPYC VM (1.75x on a 2-core Xeon one); with the budget below 0.93x (0.78x).
 # So a bucket is speculated only when its speculation is expected to end before step().
 # Times are counted backwards from step() ("slack"): bucket b's gradients are all in `lead_b`
 # seconds before step() (measured in recent backwards), the worker runs the speculations in
@@ -72,8 +72,9 @@ def speculation_policy() -> str:
 # Before any of that: speculation only pays where the asynchronous step alone would leave the
 # next forward waiting. Where the forward is long next to the plain step (compute-bound
 # training), stepping every bucket at step() hides it all, and speculating would spend 4-7x
-# the CPU time for nothing (on this 2-core VM, where the worker shares the executor's cores:
-# the demo GPT's step 1.11x overlap=False's with speculation, 1.0x without). So `auto` starts
+# the CPU time for nothing (bench/offload.py, demo GPT, 2-core Xeon VM: speculating, the worker
+# spent 33 ms a step and 86% of the plain step's 5.6 ms was hidden; lean, 4.6 ms and 97%; on
+# a GPU machine that CPU time is the data loader's and the host copies'). So `auto` starts
 # lean: no bucket is speculated, and each step's plain jobs are measured from step() to the
 # next backward (by then the forward has read every parameter it steps): the time the
 # training thread waited for them, against the worker time they took. While the wait stays
