@@ -746,30 +746,29 @@ def test_the_workers_casts_take_no_block_from_the_pool():
 
 class _Pause(torch.nn.Module):
     """Identity whose backward sleeps: the buckets backward finishes before it have that long
-    before step(), whatever else runs on the machine."""
+    before step(), whatever else runs on the machine. `wait`: what spends the seconds instead
+    of time.sleep."""
 
-    def __init__(self, seconds):
+    def __init__(self, seconds, wait=None):
         super().__init__()
-        self.seconds = seconds
+        self.seconds, self.wait = seconds, wait or time.sleep
 
     class _Fn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, seconds):
-            ctx.seconds = seconds
+        def forward(ctx, x, pause):
+            ctx.pause = pause
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, g):
-            import time
-
-            time.sleep(ctx.seconds)
+            ctx.pause.wait(ctx.pause.seconds)
             return g, None
 
     def forward(self, x):
-        return self._Fn.apply(x, self.seconds)
+        return self._Fn.apply(x, self)
 
 
-def _train_budget(overlap, steps=8, first=None):
+def _train_budget(overlap, steps=8, first=None, pause=None):
     # Five Linear(2048) at batch 1: backward computes almost nothing, so a speculative step
     # (about 4-7x the plain step's CPU time: some 15 ms per layer here) cannot end before
     # step() unless backward is still busy elsewhere. The pause after the first layer gives the
@@ -780,7 +779,8 @@ def _train_budget(overlap, steps=8, first=None):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(5)]
     head = [first] if first is not None else []
-    model = torch.nn.Sequential(*head, layers[0], _Pause(0.3), *layers[1:]).to("superchip")
+    pause = pause or _Pause(0.3)
+    model = torch.nn.Sequential(*head, layers[0], pause, *layers[1:]).to("superchip")
     opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap, bucket_bytes=1)
     g = torch.Generator().manual_seed(1)
     specs, deferred, lean = [], [], []
@@ -857,10 +857,14 @@ def test_a_forward_that_hides_the_plain_step_speculates_nothing(monkeypatch):
 
 class _DeviceClock:
     """Events as the CUDA executor's: their times are the device's, which runs behind the host.
-    A _QueuedPause adds its seconds here and returns at once, as a queued kernel does."""
+    A pause that waits with `queue` adds its seconds here and returns at once, as a queued
+    kernel does."""
 
     def __init__(self):
         self.behind = 0.0
+
+    def queue(self, seconds):
+        self.behind += seconds
 
     def event(self, device):
         clock = self
@@ -881,26 +885,6 @@ class _DeviceClock:
         return _Event()
 
 
-class _QueuedPause(torch.nn.Module):
-    def __init__(self, clock, seconds):
-        super().__init__()
-        self.clock, self.seconds = clock, seconds
-
-    class _Fn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, pause):
-            ctx.pause = pause
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            ctx.pause.clock.behind += ctx.pause.seconds
-            return g, None
-
-    def forward(self, x):
-        return self._Fn.apply(x, self)
-
-
 def test_speculation_budget_reads_the_devices_clock(monkeypatch):
     # On the CUDA executor the hooks and step() run when backward's kernels are queued: by the
     # host's clock every lead is about 0 and the budget would defer every bucket, so `auto`
@@ -911,9 +895,8 @@ def test_speculation_budget_reads_the_devices_clock(monkeypatch):
     clock = _DeviceClock()
     monkeypatch.setattr(superchip.engine, "_timing_event", clock.event)
     # 1 s on the device, none on the host: a wide margin for the four speculations to fit.
-    monkeypatch.setattr(sys.modules[__name__], "_Pause", lambda seconds: _QueuedPause(clock, 1.0))
-    ref, _, _, _, _ = _train_budget(False)
-    got, opt, specs, deferred, lean = _train_budget(True)
+    ref, _, _, _, _ = _train_budget(False, pause=_Pause(1.0, wait=clock.queue))
+    got, opt, specs, deferred, lean = _train_budget(True, pause=_Pause(1.0, wait=clock.queue))
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     _assert_budget_split(specs, deferred, lean, opt.offload_stats())
     assert clock.behind > 0
