@@ -129,8 +129,9 @@ def print_offload(opt) -> None:
     hidden = 1.0 - exposed / cpu if cpu > 0 else 0.0
     print(f"optimizer (opt.offload_stats()): {cpu:.2f} s of CPU steps, {exposed:.2f} s exposed to "
           f"the training loop: {100 * hidden:.0f}% hidden; {s['buckets']} buckets, "
-          f"{s['speculated_buckets']} speculated, {s['rolled_back_buckets']} rolled back, "
-          f"{s['probed_buckets']} probed")
+          f"{s['speculated_buckets']} speculated, {s['deferred_buckets']} deferred to step(), "
+          f"{s['rolled_back_buckets']} rolled back, {s['probed_buckets']} probed; {s['lean_steps']} of "
+          f"{s['steps']} steps lean (the asynchronous step alone hid the optimizer)")
 
 
 def executor_description() -> str:
