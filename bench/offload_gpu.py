@@ -261,7 +261,7 @@ def main():
         if c in ("engine", "always"):
             out(f"    engine: optimizer {r['optimizer_seconds'] * 1e3:.0f} ms/step, exposed "
                 f"{r['exposed_seconds'] * 1e3:.0f} ms/step, hidden {100 * r['hidden']:.0f}%; counters "
-                f"{ {k: r['offload_stats'][k] for k in ('buckets', 'tail_buckets', 'speculated_buckets', 'deferred_buckets', 'rolled_back_buckets')} }")
+                f"{ {k: r['offload_stats'][k] for k in ('buckets', 'tail_buckets', 'speculated_buckets', 'deferred_buckets', 'rolled_back_buckets', 'lean_steps')} }")
         if c == "fsdp2":
             out(f"    optimizer: torch.optim.AdamW ({r['fsdp2_optimizer']}) on the CPU shards")
         out(f"    losses {[round(x, 4) for x in r['losses']]}")
