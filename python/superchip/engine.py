@@ -444,7 +444,7 @@ class Engine:
             self.probe_bucket = None
         self._plan()
         self._mark_leads()
-        if self.lean and self.fired and not self.multi_backward and self.buckets:
+        if self.lean and self.can_speculate and self.fired and not self.multi_backward and self.buckets:
             s = _C._engine_stats(self.owner)
             self.lean_mark = (s["exposed_seconds"], s["optimizer_seconds"])
             self.counts["lean_steps"] += 1
