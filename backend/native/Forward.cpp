@@ -1,6 +1,7 @@
 #include "backend/native/Forward.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/NestedTensorImpl.h>
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
@@ -64,6 +65,10 @@ c10::Allocator* executor_allocator() {
 
 c10::DispatchKey executor_key() {
   return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+}
+
+c10::DispatchKey nested_executor_key() {
+  return executor() == Executor::kCuda ? c10::DispatchKey::NestedTensorCUDA : c10::DispatchKey::NestedTensorCPU;
 }
 
 // `backend` plus the ZeroTensor key when `like` is a zero tensor: that key can only be given
@@ -178,10 +183,22 @@ struct AliasPair {
   bool mutated;         // the op may write it (sync storage and metadata back)
 };
 
+// Note [Nested tensors]
+// A nested tensor (torch.nested, layout torch.strided; what nn.TransformerEncoder's and
+// nn.MultiheadAttention's inference fast paths build from a padding mask) is a NestedTensorImpl:
+// one buffer of bytes plus per-component sizes, strides and offsets (CPU tensors). On superchip
+// the buffer is a superchip storage and the dispatch key NestedTensorPrivateUse1, whose calls
+// come here through their own fallback: the operand is aliased as an executor nested tensor
+// over the same bytes (the buffer through AliasSet, so its overlap rules hold) with the same
+// metadata tensors, the executor's nested kernel runs (NestedTensorCPU / NestedTensorCUDA),
+// and a nested result is re-tagged by its buffer. A call that names a device other than
+// superchip (.cpu(), .to("cuda")) returns that device's tensors as the executor made them.
+// Before, nested results met the dense re-tagging ("NestedTensorImpl doesn't support
+// strides") and nested operands found no kernel.
 class ForwardedCall {
  public:
-  ForwardedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack)
-      : op_(op), stack_(stack), facts_(facts_of(op)) {
+  ForwardedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool nested = false)
+      : op_(op), stack_(stack), facts_(facts_of(op)), nested_(nested) {
     num_args_ = op.schema().arguments().size();
     first_ = stack->size() - num_args_;
   }
@@ -226,6 +243,9 @@ class ForwardedCall {
         }
       }
     }
+    if (foreign_.has_value() && nested_ && names_superchip_device()) {
+      foreign_.reset();  // a copy onto superchip (BackendSelect sends .to("superchip") of a CPU nested tensor here)
+    }
     if (foreign_.has_value()) {
       // Here either a superchip tensor meets a tensor of another device, or a superchip
       // generator or device argument meets tensors of another device.
@@ -245,8 +265,17 @@ class ForwardedCall {
     if (device_ < 0) device_ = current_device();
   }
 
+  bool names_superchip_device() const {
+    for (int pos : facts_.device_args) {
+      const c10::IValue& v = (*stack_)[first_ + pos];
+      if (v.isDevice() && v.toDevice().type() == c10::DeviceType::PrivateUse1) return true;
+    }
+    return false;
+  }
+
   at::Tensor alias_of(const at::Tensor& t, bool mutated, bool rows = false) {
     if (!is_superchip(t)) return t;
+    if (t.is_nested()) return alias_nested(t, mutated);
     at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : rows ? Access::kReadRows : Access::kRead);
     for (AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) {
@@ -256,6 +285,33 @@ class ForwardedCall {
     }
     pairs_.push_back({t, a, mutated});
     return a;
+  }
+
+  // Note [Nested tensors]. One alias per nested operand; its buffer stays referenced by the
+  // call (AliasSet caches aliases by TensorImpl address).
+  at::Tensor alias_nested(const at::Tensor& t, bool mutated) {
+    for (AliasPair& p : pairs_) {
+      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+        p.mutated |= mutated;
+        return p.alias;
+      }
+    }
+    const at::native::NestedTensorImpl* nt = at::native::get_nested_tensor_impl(t);
+    at::Tensor buffer = nt->get_unsafe_storage_as_tensor();
+    buffers_.push_back(buffer);
+    const at::Tensor ab = aliases_.alias(buffer, mutated ? Access::kWrite : Access::kRead);
+    at::Tensor a = at::detail::make_tensor<at::native::NestedTensorImpl>(
+        ab.storage(), c10::DispatchKeySet(nested_executor_key()), t.dtype(), nt->get_nested_sizes(),
+        nt->get_nested_strides(), nt->get_storage_offsets());
+    pairs_.push_back({t, a, mutated});
+    return a;
+  }
+
+  at::Tensor retag_nested(const at::Tensor& r) {
+    const at::native::NestedTensorImpl* nt = at::native::get_nested_tensor_impl(r);
+    const at::Tensor buffer = retag(nt->get_unsafe_storage_as_tensor());
+    return at::detail::make_tensor<at::native::NestedTensorImpl>(buffer, nt->get_nested_sizes(),
+                                                         nt->get_nested_strides(), nt->get_storage_offsets());
   }
 
   void rewrite_arguments() {
@@ -287,6 +343,8 @@ class ForwardedCall {
       c10::IValue& v = (*stack_)[first_ + pos];
       if (v.isDevice() && v.toDevice().type() == c10::DeviceType::PrivateUse1) {
         v = executor_device(device_);
+      } else if (v.isDevice() && nested_) {
+        results_foreign_ = true;  // Note [Nested tensors]: .cpu(), .to("cuda")
       }
     }
     for (int pos : facts_.generator_args) {
@@ -314,7 +372,7 @@ class ForwardedCall {
   // failure, raise the executor's error with what superchip released and what to change.
   // The arguments are kept for that second run: a copy of a few IValues per forwarded op.
   void redispatch() {
-    const c10::DispatchKeySet keys(executor_key());
+    const c10::DispatchKeySet keys(nested_ ? nested_executor_key() : executor_key());
     if (facts_.writes_arguments) {
       try {
         op_.redispatchBoxed(keys, stack_);
@@ -389,6 +447,8 @@ class ForwardedCall {
       if (!p.mutated) continue;
       c10::TensorImpl* orig = p.original.unsafeGetTensorImpl();
       const at::Tensor& a = p.alias;
+      // A nested tensor's metadata is fixed at construction: nested kernels write its buffer only.
+      if (p.original.is_nested()) continue;
       c10::StorageImpl* orig_storage = p.original.storage().unsafeGetStorageImpl();
       if (aliased_superchip_storage(a.storage()) != orig_storage &&
           std::find(adopted.begin(), adopted.end(), orig_storage) == adopted.end()) {
@@ -410,7 +470,8 @@ class ForwardedCall {
     for (const AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) return p.original;
     }
-    if (r.device().type() != executor_device_type()) return r;
+    if (r.device().type() != executor_device_type() || results_foreign_) return r;
+    if (r.is_nested()) return retag_nested(r);
     TORCH_CHECK(r.layout() == c10::kStrided, op_.schema().name(), " on superchip would return a ",
                 r.layout(), " tensor; superchip holds dense (strided) tensors only. Run sparse "
                 "work on the cpu: move the tensor with .cpu() first.");
@@ -447,6 +508,9 @@ class ForwardedCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack* stack_;
   const OpFacts& facts_;
+  const bool nested_;            // came through the NestedTensorPrivateUse1 fallback
+  bool results_foreign_ = false;  // names a device other than superchip: results stay its
+  std::vector<at::Tensor> buffers_;  // superchip buffers of nested operands, aliased
   size_t num_args_ = 0;
   size_t first_ = 0;
   c10::DeviceIndex device_ = -1;
@@ -560,6 +624,10 @@ at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef stride
 
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   ForwardedCall(op, stack).run();
+}
+
+void forward_nested_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  ForwardedCall(op, stack, /*nested=*/true).run();
 }
 
 }  // namespace superchip

@@ -69,5 +69,7 @@ at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef stride
 
 // The boxed fallback registered for every aten op without a native superchip kernel.
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// The same for nested tensors (NestedTensorPrivateUse1): Note [Nested tensors] in Forward.cpp.
+void forward_nested_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace superchip

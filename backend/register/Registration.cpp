@@ -96,6 +96,26 @@ int register_executor_kernels() {
     lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
     ++count;
   }
+  // Note [Nested tensors] (native/Forward.cpp): ops with a nested kernel on the executor
+  // (nested_linear, ...) often have a CompositeImplicitAutograd one too, which would run for
+  // NestedTensorPrivateUse1 ahead of the fallback and ask the nested tensor for sizes. So each
+  // gets the nested forwarding kernel, as NestedTensorCPU / NestedTensorCUDA have their own.
+  const c10::DispatchKey nested_exec = executor() == Executor::kCuda ? c10::DispatchKey::NestedTensorCUDA
+                                                                     : c10::DispatchKey::NestedTensorCPU;
+  static torch::Library* nested_lib = new torch::Library(
+      torch::Library::IMPL, "aten", c10::DispatchKey::NestedTensorPrivateUse1, __FILE__, __LINE__);
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findSchema(name);
+    if (!op.has_value() || !op->hasKernelForDispatchKey(nested_exec) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::NestedTensorPrivateUse1)) {
+      continue;
+    }
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    nested_lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_nested_to_executor>());
+    ++count;
+  }
   if (executor() == Executor::kCpu) {
     // Note [Fused RNN cells]: ATen's RNN cells take the fused path for any non-CPU input.
     static torch::Library* autograd_lib = new torch::Library(
@@ -144,4 +164,8 @@ TORCH_LIBRARY_IMPL(aten, Negative, m) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&superchip::forward_to_executor>());
+}
+
+TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&superchip::forward_nested_to_executor>());
 }
