@@ -2,6 +2,9 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/NestedTensorImpl.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
+#include <c10/core/DeviceGuard.h>
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
@@ -67,8 +70,10 @@ c10::DispatchKey executor_key() {
   return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
 }
 
-c10::DispatchKey nested_executor_key() {
-  return executor() == Executor::kCuda ? c10::DispatchKey::NestedTensorCUDA : c10::DispatchKey::NestedTensorCPU;
+// The executor's runtime key for a functionality (Dense, NestedTensor, Sparse).
+c10::DispatchKey executor_key(c10::DispatchKey functionality) {
+  return c10::toRuntimePerBackendFunctionalityKey(
+      functionality, executor() == Executor::kCuda ? c10::BackendComponent::CUDABit : c10::BackendComponent::CPUBit);
 }
 
 // `backend` plus the ZeroTensor key when `like` is a zero tensor: that key can only be given
@@ -183,6 +188,20 @@ struct AliasPair {
   bool mutated;         // the op may write it (sync storage and metadata back)
 };
 
+// Note [Sparse tensors]
+// A sparse COO tensor (torch.sparse_coo: nn.Embedding(sparse=True)'s gradient, to_sparse())
+// is a SparseTensorImpl holding two dense tensors, indices and values. On superchip those are
+// superchip tensors and the dispatch key SparsePrivateUse1; its calls come here (a fallback,
+// plus a kernel for every op the executor has a sparse kernel for, which would otherwise meet
+// a composite one first): the operand is aliased as an executor sparse tensor over aliases of
+// its indices and values, the executor's sparse kernel runs (SparseCPU / SparseCUDA), and a
+// sparse result is re-tagged through its indices and values (an operand's own come back as
+// they were). A kernel that replaces a sparse operand's indices or values (add_, coalesce_,
+// resize) has its new ones, sizes and coalesced flag copied back onto the superchip tensor.
+// The compressed layouts (CSR, CSC, BSR, BSC: SparseCsrTensorImpl, key SparseCsrPrivateUse1)
+// are forwarded the same way over their compressed indices, plain indices and values.
+// Before, such calls found no kernel and a sparse result was refused.
+//
 // Note [Nested tensors]
 // A nested tensor (torch.nested, layout torch.strided; what nn.TransformerEncoder's and
 // nn.MultiheadAttention's inference fast paths build from a padding mask) is a NestedTensorImpl:
@@ -197,8 +216,11 @@ struct AliasPair {
 // strides") and nested operands found no kernel.
 class ForwardedCall {
  public:
-  ForwardedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool nested = false)
-      : op_(op), stack_(stack), facts_(facts_of(op)), nested_(nested) {
+  // functionality: the superchip key the call came through (Dense, NestedTensor, Sparse).
+  ForwardedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                c10::DispatchKey functionality = c10::DispatchKey::Dense)
+      : op_(op), stack_(stack), facts_(facts_of(op)), functionality_(functionality),
+        layout_call_(functionality != c10::DispatchKey::Dense) {
     num_args_ = op.schema().arguments().size();
     first_ = stack->size() - num_args_;
   }
@@ -226,6 +248,7 @@ class ForwardedCall {
     } else if (mutated || (!(t.dim() == 0 && d.is_cpu()) && !facts_.allows_cpu_operands)) {
       // A CPU 0-dim tensor is accepted as a scalar operand, never as an output (as on CUDA).
       foreign_ = d;
+      if (layout_call_) foreign_args_.push_back(t);
     }
   }
 
@@ -243,8 +266,13 @@ class ForwardedCall {
         }
       }
     }
-    if (foreign_.has_value() && nested_ && names_superchip_device()) {
-      foreign_.reset();  // a copy onto superchip (BackendSelect sends .to("superchip") of a CPU nested tensor here)
+    if (foreign_.has_value() && layout_call_ &&
+        (names_superchip_device() || op_.schema().name() == "aten::copy_")) {
+      // A copy between devices: BackendSelect sends .to("superchip") of a CPU nested tensor
+      // here; the executor's sparse copy_ moves indices and values to its self's device.
+      // The other device's operands are passed as they are, and come back as they went.
+      foreign_.reset();
+      foreign_operands_ = true;
     }
     if (foreign_.has_value()) {
       // Here either a superchip tensor meets a tensor of another device, or a superchip
@@ -265,6 +293,13 @@ class ForwardedCall {
     if (device_ < 0) device_ = current_device();
   }
 
+  bool is_argument(const at::Tensor& r) const {
+    for (const at::Tensor& t : foreign_args_) {
+      if (t.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) return true;
+    }
+    return false;
+  }
+
   bool names_superchip_device() const {
     for (int pos : facts_.device_args) {
       const c10::IValue& v = (*stack_)[first_ + pos];
@@ -276,6 +311,8 @@ class ForwardedCall {
   at::Tensor alias_of(const at::Tensor& t, bool mutated, bool rows = false) {
     if (!is_superchip(t)) return t;
     if (t.is_nested()) return alias_nested(t, mutated);
+    if (t.is_sparse()) return alias_sparse(t, mutated);
+    if (is_compressed(t)) return alias_compressed(t, mutated);
     at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : rows ? Access::kReadRows : Access::kRead);
     for (AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) {
@@ -301,10 +338,121 @@ class ForwardedCall {
     buffers_.push_back(buffer);
     const at::Tensor ab = aliases_.alias(buffer, mutated ? Access::kWrite : Access::kRead);
     at::Tensor a = at::detail::make_tensor<at::native::NestedTensorImpl>(
-        ab.storage(), c10::DispatchKeySet(nested_executor_key()), t.dtype(), nt->get_nested_sizes(),
+        ab.storage(), c10::DispatchKeySet(executor_key(c10::DispatchKey::NestedTensor)), t.dtype(), nt->get_nested_sizes(),
         nt->get_nested_strides(), nt->get_storage_offsets());
     pairs_.push_back({t, a, mutated});
     return a;
+  }
+
+  // Note [Sparse tensors]. Indices and values are aliased as operands of their own.
+  at::Tensor alias_sparse(const at::Tensor& t, bool mutated) {
+    for (AliasPair& p : pairs_) {
+      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+        p.mutated |= mutated;
+        return p.alias;
+      }
+    }
+    const at::SparseTensorImpl* st = static_cast<const at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
+    const at::Tensor indices = alias_of(st->indices(), mutated);
+    const at::Tensor values = alias_of(st->values(), mutated);
+    at::Tensor a = make_sparse(c10::DispatchKeySet(executor_key(c10::DispatchKey::Sparse)),
+                               executor_device(t.device().index()), t, indices, values, st->coalesced());
+    pairs_.push_back({t, a, mutated});
+    return a;
+  }
+
+  // A sparse tensor of `keys` on `device` with the sizes of `like` over indices and values.
+  static at::Tensor make_sparse(c10::DispatchKeySet keys, c10::Device device, const at::Tensor& like,
+                                const at::Tensor& indices, const at::Tensor& values, bool coalesced) {
+    const at::SparseTensorImpl* lt = static_cast<const at::SparseTensorImpl*>(like.unsafeGetTensorImpl());
+    c10::DeviceGuard guard(device);  // the impl starts with empty indices and values there
+    auto impl = c10::make_intrusive<at::SparseTensorImpl>(keys, like.dtype());
+    impl->raw_resize_(lt->sparse_dim(), lt->dense_dim(), like.sizes());
+    impl->set_indices_and_values_unsafe(indices, values);
+    impl->set_coalesced(coalesced);
+    return at::Tensor(std::move(impl));
+  }
+
+  at::Tensor retag_sparse(const at::Tensor& r) {
+    const at::SparseTensorImpl* st = static_cast<const at::SparseTensorImpl*>(r.unsafeGetTensorImpl());
+    const at::Tensor indices = retag(st->indices());
+    const at::Tensor values = retag(st->values());
+    return make_sparse(c10::DispatchKeySet(c10::DispatchKey::SparsePrivateUse1), values.device(), r,
+                       indices, values, st->coalesced());
+  }
+
+  // A kernel that wrote a sparse operand may have given it new indices, values or sizes.
+  void sync_sparse(const AliasPair& p) {
+    const auto* a = static_cast<const at::SparseTensorImpl*>(p.alias.unsafeGetTensorImpl());
+    auto* o = static_cast<at::SparseTensorImpl*>(p.original.unsafeGetTensorImpl());
+    const at::Tensor indices = retag(a->indices());
+    const at::Tensor values = retag(a->values());
+    if (indices.unsafeGetTensorImpl() == o->indices().unsafeGetTensorImpl() &&
+        values.unsafeGetTensorImpl() == o->values().unsafeGetTensorImpl() && o->sizes() == a->sizes() &&
+        o->sparse_dim() == a->sparse_dim() && o->coalesced() == a->coalesced()) {
+      return;
+    }
+    o->raw_resize_(a->sparse_dim(), a->dense_dim(), a->sizes());
+    o->set_indices_and_values_unsafe(indices, values);
+    o->set_coalesced(a->coalesced());
+  }
+
+  static bool is_compressed(const at::Tensor& t) {
+    const c10::Layout l = t.layout();
+    return l == c10::kSparseCsr || l == c10::kSparseCsc || l == c10::kSparseBsr || l == c10::kSparseBsc;
+  }
+
+  static const at::SparseCsrTensorImpl* compressed_impl(const at::Tensor& t) {
+    return static_cast<const at::SparseCsrTensorImpl*>(t.unsafeGetTensorImpl());
+  }
+
+  // Note [Sparse tensors], compressed layouts.
+  at::Tensor alias_compressed(const at::Tensor& t, bool mutated) {
+    for (AliasPair& p : pairs_) {
+      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+        p.mutated |= mutated;
+        return p.alias;
+      }
+    }
+    const at::SparseCsrTensorImpl* st = compressed_impl(t);
+    const at::Tensor compressed = alias_of(st->compressed_indices(), mutated);
+    const at::Tensor plain = alias_of(st->plain_indices(), mutated);
+    const at::Tensor values = alias_of(st->values(), mutated);
+    at::Tensor a = make_compressed(c10::DispatchKeySet(executor_key(c10::DispatchKey::SparseCsr)),
+                                   executor_device(t.device().index()), t, compressed, plain, values);
+    pairs_.push_back({t, a, mutated});
+    return a;
+  }
+
+  static at::Tensor make_compressed(c10::DispatchKeySet keys, c10::Device device, const at::Tensor& like,
+                                    const at::Tensor& compressed, const at::Tensor& plain,
+                                    const at::Tensor& values) {
+    auto impl = c10::make_intrusive<at::SparseCsrTensorImpl>(keys, device, like.layout(), like.dtype());
+    impl->set_member_tensors(compressed, plain, values, like.sizes());
+    return at::Tensor(std::move(impl));
+  }
+
+  at::Tensor retag_compressed(const at::Tensor& r) {
+    const at::SparseCsrTensorImpl* st = compressed_impl(r);
+    const at::Tensor compressed = retag(st->compressed_indices());
+    const at::Tensor plain = retag(st->plain_indices());
+    const at::Tensor values = retag(st->values());
+    return make_compressed(c10::DispatchKeySet(c10::DispatchKey::SparseCsrPrivateUse1), values.device(), r,
+                           compressed, plain, values);
+  }
+
+  void sync_compressed(const AliasPair& p) {
+    const at::SparseCsrTensorImpl* a = compressed_impl(p.alias);
+    auto* o = const_cast<at::SparseCsrTensorImpl*>(compressed_impl(p.original));
+    const at::Tensor compressed = retag(a->compressed_indices());
+    const at::Tensor plain = retag(a->plain_indices());
+    const at::Tensor values = retag(a->values());
+    if (compressed.unsafeGetTensorImpl() == o->compressed_indices().unsafeGetTensorImpl() &&
+        plain.unsafeGetTensorImpl() == o->plain_indices().unsafeGetTensorImpl() &&
+        values.unsafeGetTensorImpl() == o->values().unsafeGetTensorImpl() && o->sizes() == a->sizes()) {
+      return;
+    }
+    o->set_member_tensors(compressed, plain, values, a->sizes());
   }
 
   at::Tensor retag_nested(const at::Tensor& r) {
@@ -343,7 +491,7 @@ class ForwardedCall {
       c10::IValue& v = (*stack_)[first_ + pos];
       if (v.isDevice() && v.toDevice().type() == c10::DeviceType::PrivateUse1) {
         v = executor_device(device_);
-      } else if (v.isDevice() && nested_) {
+      } else if (v.isDevice() && layout_call_) {
         results_foreign_ = true;  // Note [Nested tensors]: .cpu(), .to("cuda")
       }
     }
@@ -372,7 +520,7 @@ class ForwardedCall {
   // failure, raise the executor's error with what superchip released and what to change.
   // The arguments are kept for that second run: a copy of a few IValues per forwarded op.
   void redispatch() {
-    const c10::DispatchKeySet keys(nested_ ? nested_executor_key() : executor_key());
+    const c10::DispatchKeySet keys(executor_key(functionality_));
     if (facts_.writes_arguments) {
       try {
         op_.redispatchBoxed(keys, stack_);
@@ -449,6 +597,14 @@ class ForwardedCall {
       const at::Tensor& a = p.alias;
       // A nested tensor's metadata is fixed at construction: nested kernels write its buffer only.
       if (p.original.is_nested()) continue;
+      if (p.original.is_sparse()) {
+        sync_sparse(p);  // after its indices and values (aliased, and synced, before it)
+        continue;
+      }
+      if (is_compressed(p.original)) {
+        sync_compressed(p);
+        continue;
+      }
       c10::StorageImpl* orig_storage = p.original.storage().unsafeGetStorageImpl();
       if (aliased_superchip_storage(a.storage()) != orig_storage &&
           std::find(adopted.begin(), adopted.end(), orig_storage) == adopted.end()) {
@@ -470,11 +626,14 @@ class ForwardedCall {
     for (const AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) return p.original;
     }
+    if (foreign_operands_ && is_argument(r)) return r;  // another device's self, returned
     if (r.device().type() != executor_device_type() || results_foreign_) return r;
     if (r.is_nested()) return retag_nested(r);
+    if (r.is_sparse()) return retag_sparse(r);
+    if (is_compressed(r)) return retag_compressed(r);
     TORCH_CHECK(r.layout() == c10::kStrided, op_.schema().name(), " on superchip would return a ",
-                r.layout(), " tensor; superchip holds dense (strided) tensors only. Run sparse "
-                "work on the cpu: move the tensor with .cpu() first.");
+                r.layout(), " tensor; superchip holds strided, nested and sparse (COO, CSR, CSC, "
+                "BSR, BSC) tensors only. Run this work on the cpu: move the tensor with .cpu() first.");
     // Several results may view one fresh executor storage: adopt it once, share it.
     c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
     if (aliased_superchip_storage(r.storage()) == nullptr) {
@@ -508,8 +667,11 @@ class ForwardedCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack* stack_;
   const OpFacts& facts_;
-  const bool nested_;            // came through the NestedTensorPrivateUse1 fallback
+  const c10::DispatchKey functionality_;  // Dense, NestedTensor or Sparse: the executor's key
+  const bool layout_call_;       // came through the nested or sparse keys
   bool results_foreign_ = false;  // names a device other than superchip: results stay its
+  bool foreign_operands_ = false;  // a copy between devices (layout calls): see find_device
+  std::vector<at::Tensor> foreign_args_;  // its operands of the other device
   std::vector<at::Tensor> buffers_;  // superchip buffers of nested operands, aliased
   size_t num_args_ = 0;
   size_t first_ = 0;
@@ -627,7 +789,15 @@ void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack
 }
 
 void forward_nested_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  ForwardedCall(op, stack, /*nested=*/true).run();
+  ForwardedCall(op, stack, c10::DispatchKey::NestedTensor).run();
+}
+
+void forward_sparse_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  ForwardedCall(op, stack, c10::DispatchKey::Sparse).run();
+}
+
+void forward_sparse_compressed_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  ForwardedCall(op, stack, c10::DispatchKey::SparseCsr).run();
 }
 
 }  // namespace superchip

@@ -71,5 +71,9 @@ at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef stride
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // The same for nested tensors (NestedTensorPrivateUse1): Note [Nested tensors] in Forward.cpp.
 void forward_nested_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// The same for sparse COO tensors (SparsePrivateUse1): Note [Sparse tensors] in Forward.cpp.
+void forward_sparse_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// ... and the compressed sparse layouts, CSR, CSC, BSR, BSC (SparseCsrPrivateUse1).
+void forward_sparse_compressed_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace superchip

@@ -58,6 +58,25 @@ namespace superchip {
 // is slower and gives different bits than the executor (native_layer_norm is one). Those ops
 // are registered to the forwarding kernel explicitly. Ops that create tensors on a device or
 // move bytes between devices keep their composite kernels, which route to the native set.
+// The `kernel` of a layout's superchip key (`superchip`) for every aten op the executor has a
+// kernel of that layout for (`exec`), unless superchip has one. Returns how many.
+template <void (*kernel)(const c10::OperatorHandle&, torch::jit::Stack*)>
+int register_layout_kernels(c10::DispatchKey exec, c10::DispatchKey superchip) {
+  auto* lib = new torch::Library(torch::Library::IMPL, "aten", superchip, __FILE__, __LINE__);  // for the process
+  auto& dispatcher = c10::Dispatcher::singleton();
+  int count = 0;
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findSchema(name);
+    if (!op.has_value() || !op->hasKernelForDispatchKey(exec) || op->hasKernelForDispatchKey(superchip)) continue;
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<kernel>());
+    ++count;
+  }
+  return count;
+}
+
 int register_executor_kernels() {
   static torch::Library* lib = nullptr;
   static int count = 0;
@@ -96,26 +115,20 @@ int register_executor_kernels() {
     lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
     ++count;
   }
-  // Note [Nested tensors] (native/Forward.cpp): ops with a nested kernel on the executor
-  // (nested_linear, ...) often have a CompositeImplicitAutograd one too, which would run for
-  // NestedTensorPrivateUse1 ahead of the fallback and ask the nested tensor for sizes. So each
-  // gets the nested forwarding kernel, as NestedTensorCPU / NestedTensorCUDA have their own.
-  const c10::DispatchKey nested_exec = executor() == Executor::kCuda ? c10::DispatchKey::NestedTensorCUDA
-                                                                     : c10::DispatchKey::NestedTensorCPU;
-  static torch::Library* nested_lib = new torch::Library(
-      torch::Library::IMPL, "aten", c10::DispatchKey::NestedTensorPrivateUse1, __FILE__, __LINE__);
-  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0) continue;
-    auto op = dispatcher.findSchema(name);
-    if (!op.has_value() || !op->hasKernelForDispatchKey(nested_exec) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::NestedTensorPrivateUse1)) {
-      continue;
-    }
-    std::string full = name.name.substr(6);
-    if (!name.overload_name.empty()) full += "." + name.overload_name;
-    nested_lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_nested_to_executor>());
-    ++count;
-  }
+  // Note [Nested tensors] and Note [Sparse tensors] (native/Forward.cpp): ops with a nested
+  // or sparse kernel on the executor (nested_linear, add_out_dense_sparse, ...) often have a
+  // composite one too, which would run for NestedTensorPrivateUse1 / SparsePrivateUse1 ahead
+  // of the fallback (and ask a nested tensor for sizes). So each gets the forwarding kernel of
+  // its layout, as the executor's keys have their own.
+  const bool cuda = executor() == Executor::kCuda;
+  count += register_layout_kernels<&forward_nested_to_executor>(
+      cuda ? c10::DispatchKey::NestedTensorCUDA : c10::DispatchKey::NestedTensorCPU,
+      c10::DispatchKey::NestedTensorPrivateUse1);
+  count += register_layout_kernels<&forward_sparse_to_executor>(
+      cuda ? c10::DispatchKey::SparseCUDA : c10::DispatchKey::SparseCPU, c10::DispatchKey::SparsePrivateUse1);
+  count += register_layout_kernels<&forward_sparse_compressed_to_executor>(
+      cuda ? c10::DispatchKey::SparseCsrCUDA : c10::DispatchKey::SparseCsrCPU,
+      c10::DispatchKey::SparseCsrPrivateUse1);
   if (executor() == Executor::kCpu) {
     // Note [Fused RNN cells]: ATen's RNN cells take the fused path for any non-CPU input.
     static torch::Library* autograd_lib = new torch::Library(
@@ -168,4 +181,12 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 
 TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&superchip::forward_nested_to_executor>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&superchip::forward_sparse_to_executor>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&superchip::forward_sparse_compressed_to_executor>());
 }
