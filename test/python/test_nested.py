@@ -112,3 +112,12 @@ def test_jagged_nested_tensors():
     want = torch.nested.nested_tensor(parts, layout=torch.jagged)
     assert j.device == DEVICE
     assert torch.equal((j.sin() * 2).values().cpu(), (want.sin() * 2).values())
+
+
+def test_nested_tensors_save_and_load(tmp_path):
+    parts = _parts()
+    torch.save(torch.nested.nested_tensor(parts).to(DEVICE), tmp_path / "n.pt")
+    back = torch.load(tmp_path / "n.pt")
+    assert back.is_nested and back.device == DEVICE
+    assert all(torch.equal(b.cpu(), p) for b, p in zip(back.unbind(), parts))
+    assert torch.load(tmp_path / "n.pt", map_location="cpu").device.type == "cpu"

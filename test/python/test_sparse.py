@@ -120,3 +120,17 @@ def test_sparse_memory_is_accounted_and_given_back():
     assert superchip.memory_stats()[key] - before > 100
     del s, c
     assert superchip.memory_stats()[key] == before
+
+
+def test_sparse_tensors_save_and_load(tmp_path):
+    coo = _coo(DEVICE)
+    csr = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE).to_sparse_csr()
+    torch.save({"coo": coo, "csr": csr}, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt")
+    assert back["coo"].device == back["csr"].device == DEVICE and back["csr"].layout == torch.sparse_csr
+    _same(back["coo"], _coo())
+    assert torch.equal(back["csr"].to_dense().cpu(), csr.to_dense().cpu())
+    on_cpu = torch.load(tmp_path / "s.pt", map_location="cpu")
+    assert on_cpu["coo"].device.type == on_cpu["csr"].device.type == "cpu"
+    torch.save(_coo(), tmp_path / "c.pt")
+    _same(torch.load(tmp_path / "c.pt", map_location="superchip"), _coo())
