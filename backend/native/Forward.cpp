@@ -70,7 +70,7 @@ c10::DispatchKey executor_key() {
   return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
 }
 
-// The executor's runtime key for a functionality (Dense, NestedTensor, Sparse).
+// The executor's runtime key for a functionality (Dense, NestedTensor, Sparse, SparseCsr).
 c10::DispatchKey executor_key(c10::DispatchKey functionality) {
   return c10::toRuntimePerBackendFunctionalityKey(
       functionality, executor() == Executor::kCuda ? c10::BackendComponent::CUDABit : c10::BackendComponent::CPUBit);
@@ -216,7 +216,8 @@ struct AliasPair {
 // strides") and nested operands found no kernel.
 class ForwardedCall {
  public:
-  // functionality: the superchip key the call came through (Dense, NestedTensor, Sparse).
+  // functionality: the superchip key the call came through (Dense, NestedTensor, Sparse,
+  // SparseCsr).
   ForwardedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                 c10::DispatchKey functionality = c10::DispatchKey::Dense)
       : op_(op), stack_(stack), facts_(facts_of(op)), functionality_(functionality),
@@ -338,8 +339,8 @@ class ForwardedCall {
     buffers_.push_back(buffer);
     const at::Tensor ab = aliases_.alias(buffer, mutated ? Access::kWrite : Access::kRead);
     at::Tensor a = at::detail::make_tensor<at::native::NestedTensorImpl>(
-        ab.storage(), c10::DispatchKeySet(executor_key(c10::DispatchKey::NestedTensor)), t.dtype(), nt->get_nested_sizes(),
-        nt->get_nested_strides(), nt->get_storage_offsets());
+        ab.storage(), c10::DispatchKeySet(executor_key(c10::DispatchKey::NestedTensor)), t.dtype(),
+        nt->get_nested_sizes(), nt->get_nested_strides(), nt->get_storage_offsets());
     pairs_.push_back({t, a, mutated});
     return a;
   }
@@ -458,8 +459,8 @@ class ForwardedCall {
   at::Tensor retag_nested(const at::Tensor& r) {
     const at::native::NestedTensorImpl* nt = at::native::get_nested_tensor_impl(r);
     const at::Tensor buffer = retag(nt->get_unsafe_storage_as_tensor());
-    return at::detail::make_tensor<at::native::NestedTensorImpl>(buffer, nt->get_nested_sizes(),
-                                                         nt->get_nested_strides(), nt->get_storage_offsets());
+    return at::detail::make_tensor<at::native::NestedTensorImpl>(
+        buffer, nt->get_nested_sizes(), nt->get_nested_strides(), nt->get_storage_offsets());
   }
 
   void rewrite_arguments() {
@@ -667,7 +668,7 @@ class ForwardedCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack* stack_;
   const OpFacts& facts_;
-  const c10::DispatchKey functionality_;  // Dense, NestedTensor or Sparse: the executor's key
+  const c10::DispatchKey functionality_;  // Dense, NestedTensor, Sparse or SparseCsr
   const bool layout_call_;       // came through the nested or sparse keys
   bool results_foreign_ = false;  // names a device other than superchip: results stay its
   bool foreign_operands_ = false;  // a copy between devices (layout calls): see find_device
