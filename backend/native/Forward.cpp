@@ -325,14 +325,20 @@ class ForwardedCall {
     return a;
   }
 
+  // The pair of a nested or sparse operand aliased earlier in this call, or null.
+  AliasPair* pair_of(const at::Tensor& t) {
+    for (AliasPair& p : pairs_) {
+      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return &p;
+    }
+    return nullptr;
+  }
+
   // Note [Nested tensors]. One alias per nested operand; its buffer stays referenced by the
   // call (AliasSet caches aliases by TensorImpl address).
   at::Tensor alias_nested(const at::Tensor& t, bool mutated) {
-    for (AliasPair& p : pairs_) {
-      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
-        p.mutated |= mutated;
-        return p.alias;
-      }
+    if (AliasPair* p = pair_of(t)) {
+      p->mutated |= mutated;
+      return p->alias;
     }
     const at::native::NestedTensorImpl* nt = at::native::get_nested_tensor_impl(t);
     at::Tensor buffer = nt->get_unsafe_storage_as_tensor();
@@ -347,11 +353,9 @@ class ForwardedCall {
 
   // Note [Sparse tensors]. Indices and values are aliased as operands of their own.
   at::Tensor alias_sparse(const at::Tensor& t, bool mutated) {
-    for (AliasPair& p : pairs_) {
-      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
-        p.mutated |= mutated;
-        return p.alias;
-      }
+    if (AliasPair* p = pair_of(t)) {
+      p->mutated |= mutated;
+      return p->alias;
     }
     const at::SparseTensorImpl* st = static_cast<const at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
     const at::Tensor indices = alias_of(st->indices(), mutated);
@@ -409,11 +413,9 @@ class ForwardedCall {
 
   // Note [Sparse tensors], compressed layouts.
   at::Tensor alias_compressed(const at::Tensor& t, bool mutated) {
-    for (AliasPair& p : pairs_) {
-      if (p.original.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
-        p.mutated |= mutated;
-        return p.alias;
-      }
+    if (AliasPair* p = pair_of(t)) {
+      p->mutated |= mutated;
+      return p->alias;
     }
     const at::SparseCsrTensorImpl* st = compressed_impl(t);
     const at::Tensor compressed = alias_of(st->compressed_indices(), mutated);
