@@ -46,6 +46,15 @@ def assert_close_cpu(actual, expected, **kwargs):
         torch.testing.assert_close(to_cpu(actual), expected, **kwargs)
 
 
+def assert_matches_cpu(got, want):
+    """A CPU-device result of superchip against CPU's: bit for bit on the CPU executor (the
+    same kernels), within the tolerance table on the CUDA executor (CUDA's kernels)."""
+    if superchip.executor() == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, **tol(want.dtype))
+
+
 def run_python(code: str, env: dict | None = None, timeout: int = 120):
     """Runs ``code`` in a fresh interpreter (for env-dependent device setup); returns the result."""
     full_env = dict(os.environ)

@@ -14,19 +14,9 @@ import torch
 
 import superchip
 
-from helpers import DEVICE
-from tolerances import tol
+from helpers import DEVICE, assert_matches_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-
-
-def _match(got, want):
-    """Bit for bit on the CPU executor (CPU's own kernels); within the float tolerance on the
-    CUDA executor, whose kernels are CUDA's."""
-    if superchip.executor() == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, **tol(want.dtype))
 
 
 def _parts():
@@ -61,7 +51,7 @@ def test_transformer_encoder_fast_path_with_a_padding_mask(monkeypatch):
         got = enc(x.to(DEVICE), src_key_padding_mask=mask.to(DEVICE))
     assert calls == [torch.device("cpu"), DEVICE]  # both took the nested fast path
     assert got.device == DEVICE and not got.is_nested
-    _match(got.cpu(), ref)
+    assert_matches_cpu(got.cpu(), ref)
 
 
 def test_multihead_attention_fast_path_with_a_padding_mask():
@@ -73,7 +63,7 @@ def test_multihead_attention_fast_path_with_a_padding_mask():
         mha.to(DEVICE)
         xs = x.to(DEVICE)
         got, _ = mha(xs, xs, xs, key_padding_mask=mask.to(DEVICE), need_weights=False)
-    _match(got.cpu(), ref)
+    assert_matches_cpu(got.cpu(), ref)
 
 
 def test_nested_ops_and_autograd_match_cpu():
@@ -89,7 +79,7 @@ def test_nested_ops_and_autograd_match_cpu():
         return out.cpu(), a.grad.to_padded_tensor(0.0).cpu(), lin.weight.grad.cpu(), lin.bias.grad.cpu()
 
     for want, got in zip(run("cpu"), run("superchip")):
-        _match(got, want)
+        assert_matches_cpu(got, want)
 
 
 def test_nested_copies_views_and_memory():
@@ -121,7 +111,7 @@ def test_jagged_nested_tensors():
     j = torch.nested.nested_tensor([p.to(DEVICE) for p in parts], layout=torch.jagged)
     want = torch.nested.nested_tensor(parts, layout=torch.jagged)
     assert j.device == DEVICE
-    _match((j.sin() * 2).values().cpu(), (want.sin() * 2).values())
+    assert_matches_cpu((j.sin() * 2).values().cpu(), (want.sin() * 2).values())
 
 
 def test_nested_tensors_save_and_load(tmp_path):

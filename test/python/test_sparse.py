@@ -12,20 +12,10 @@ import torch
 
 import superchip
 
-from helpers import DEVICE
-from tolerances import tol
+from helpers import DEVICE, assert_matches_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state",
                                         "ignore:Sparse invariant checks are implicitly disabled")
-
-
-def _match(got, want):
-    """Bit for bit on the CPU executor (CPU's own kernels); within the float tolerance on the
-    CUDA executor, whose kernels are CUDA's."""
-    if superchip.executor() == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, **tol(want.dtype))
 
 
 def _coo(device="cpu"):
@@ -41,8 +31,8 @@ def _same(got, want):
     if want.layout == torch.sparse_coo:
         assert got.is_coalesced() == want.is_coalesced() and got._nnz() == want._nnz()
         assert torch.equal(got._indices(), want._indices())
-        _match(got._values(), want._values())
-    _match(got.to_dense(), want.to_dense())
+        assert_matches_cpu(got._values(), want._values())
+    assert_matches_cpu(got.to_dense(), want.to_dense())
 
 
 def test_coo_copies_and_ops_match_cpu():
@@ -54,11 +44,11 @@ def test_coo_copies_and_ops_match_cpu():
     _same(s * 2.5, c * 2.5)
     _same(s.t(), c.t())
     d = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
-    _match(torch.sparse.mm(s, d.to(DEVICE)).cpu(), torch.sparse.mm(c, d))
+    assert_matches_cpu(torch.sparse.mm(s, d.to(DEVICE)).cpu(), torch.sparse.mm(c, d))
     dense = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     assert torch.equal((dense.to(DEVICE) + s).cpu(), dense + c)  # a dense result
     _same(dense.to(DEVICE).to_sparse(), dense.to_sparse())  # a sparse result of a dense op
-    _match(torch.sparse.sum(s, dim=1).to_dense().cpu(), torch.sparse.sum(c, dim=1).to_dense())
+    assert_matches_cpu(torch.sparse.sum(s, dim=1).to_dense().cpu(), torch.sparse.sum(c, dim=1).to_dense())
     assert s.to(torch.float64).dtype == torch.float64
     assert "device='superchip:0'" in repr(s)
 
@@ -88,7 +78,7 @@ def test_compressed_layouts_match_cpu():
         for got in (convert(d.to(DEVICE)), want.to(DEVICE)):  # made on superchip; copied there
             assert got.device == DEVICE and got.layout == want.layout
             assert torch.equal(got.to_dense().cpu(), d) and torch.equal(got.cpu().to_dense(), d)
-            _match((got @ x.to(DEVICE)).cpu(), want @ x)
+            assert_matches_cpu((got @ x.to(DEVICE)).cpu(), want @ x)
     csr = d.to_sparse_csr().to(DEVICE)
     csr.mul_(2)
     assert torch.equal(csr.to_dense().cpu(), d * 2)
@@ -109,7 +99,7 @@ def test_sparse_embedding_trains_as_on_cpu(opt_name):
             opt.zero_grad()
         return emb.weight.detach().cpu()
 
-    _match(run("superchip"), run("cpu"))
+    assert_matches_cpu(run("superchip"), run("cpu"))
 
 
 def test_superchip_adamw_refuses_sparse_gradients_as_torch_does():
