@@ -180,6 +180,22 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
   return cache.emplace(&schema, std::move(f)).first->second;
 }
 
+// Note [Quantized tensors]
+// PyTorch's quantized tensors (dtypes torch.qint8, quint8, qint32, quint4x2, quint2x4: a
+// QTensorImpl with a quantizer; deprecated in PyTorch, whose creation functions warn that they
+// will be removed) are not held on superchip. Before, torch.quantize_per_tensor of a superchip
+// tensor returned a tensor that claimed dtype qint8 but had lost its quantizer (is_quantized
+// False; dequantize, int_repr, .cpu() and printing failed with unrelated errors), and
+// .to("superchip") of a CPU quantized tensor found no kernel. Both now refuse with this message,
+// before a superchip tensor exists. torchao's quantized tensor subclasses (NF4, used for QLoRA)
+// are plain tensors underneath and run on superchip.
+std::string quantized_refusal(const std::string& op) {
+  return op + " would make a quantized tensor (torch.qint8, quint8, qint32, quint4x2 or quint2x4) "
+         "on superchip, which does not hold PyTorch's quantized tensors (deprecated in PyTorch). "
+         "Quantize on the cpu (.cpu() first), or use torchao's quantized tensor subclasses "
+         "(e.g. NF4), which run on superchip.";
+}
+
 // ---- one forwarded call ----
 
 struct AliasPair {
@@ -637,6 +653,7 @@ class ForwardedCall {
     TORCH_CHECK(r.layout() == c10::kStrided, op_.schema().name(), " on superchip would return a ",
                 r.layout(), " tensor; superchip holds strided, nested and sparse (COO, CSR, CSC, "
                 "BSR, BSC) tensors only. Run this work on the cpu: move the tensor with .cpu() first.");
+    TORCH_CHECK(!r.is_quantized(), quantized_refusal(op_.schema().name()));
     // Several results may view one fresh executor storage: adopt it once, share it.
     c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
     if (aliased_superchip_storage(r.storage()) == nullptr) {
@@ -801,6 +818,10 @@ void forward_sparse_to_executor(const c10::OperatorHandle& op, torch::jit::Stack
 
 void forward_sparse_compressed_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   ForwardedCall(op, stack, c10::DispatchKey::SparseCsr).run();
+}
+
+void refuse_quantized(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  TORCH_CHECK(false, quantized_refusal(op.schema().name()));
 }
 
 }  // namespace superchip

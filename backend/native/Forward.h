@@ -75,5 +75,7 @@ void forward_nested_to_executor(const c10::OperatorHandle& op, torch::jit::Stack
 void forward_sparse_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // ... and the compressed sparse layouts, CSR, CSC, BSR, BSC (SparseCsrPrivateUse1).
 void forward_sparse_compressed_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// Registered for QuantizedPrivateUse1: refuses, naming the op (Note [Quantized tensors]).
+void refuse_quantized(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace superchip

@@ -3,7 +3,8 @@
 Each test failed before its fix: zero tensors (crash), out= tensors overlapping an input
 (silent wrong result), in-place ops over one storage, the fused RNN cells, SDPA with a mask
 that requires grad, conj_physical_ on a conjugate view, ldexp_ broadcasting into self,
-mode(out=), and copy-on-write storages (torch._lazy_clone).
+mode(out=), copy-on-write storages (torch._lazy_clone), and quantized tensors (refused with a
+clear error instead of a tensor that lost its quantizer).
 """
 
 from __future__ import annotations
@@ -319,3 +320,31 @@ def test_lazy_clone_keeps_host_tier():
     y = torch._lazy_clone(x)
     assert superchip.tier_of(x) == "host" and superchip.tier_of(y) == "host"
     assert_close_cpu(y, x.cpu())
+
+
+# ---- quantized tensors (Note [Quantized tensors]; found by test_view_ops.py's flatten/ravel) ----
+
+def _hbm_requested():
+    return superchip.memory_stats()["hbm.requested_bytes"]
+
+
+@pytest.mark.filterwarnings("ignore:.*quantize.*deprecated")
+@pytest.mark.parametrize("make", [
+    lambda x: torch.quantize_per_tensor(x.to(DEVICE), 0.1, 0, torch.qint8),
+    lambda x: torch.quantize_per_channel(x.to(DEVICE), torch.full((4,), 0.1, device=DEVICE),
+                                         torch.zeros(4, dtype=torch.long, device=DEVICE), 0, torch.quint8),
+    lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8).to(DEVICE),
+    lambda x: torch._empty_affine_quantized([4, 3], device=DEVICE, dtype=torch.qint8),
+], ids=["quantize_per_tensor", "quantize_per_channel", "to_superchip", "empty_affine_quantized"])
+def test_quantized_tensors_are_refused_with_a_clear_error(make, clean_memory):
+    # Before: quantize_per_tensor returned a qint8 tensor without its quantizer (is_quantized
+    # False; dequantize, .cpu() and printing failed with unrelated errors) and .to("superchip")
+    # of a CPU quantized tensor found no kernel.
+    x = torch.randn(4, 3)
+    start = _hbm_requested()
+    with pytest.raises(RuntimeError, match="does not hold PyTorch's quantized tensors.*Quantize on the cpu"):
+        make(x)
+    assert _hbm_requested() == start
+    # Quantizing on the cpu still works with superchip imported.
+    q = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+    assert q.is_quantized and torch.equal(q.dequantize(), torch.round(x / 0.1).clamp(-128, 127) * 0.1)
