@@ -11,7 +11,7 @@ APT_PACKAGES=(
   libnuma-dev libhwloc-dev libgtest-dev
   g++-aarch64-linux-gnu qemu-user googletest
 )
-PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers accelerate matplotlib)
+PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers accelerate matplotlib peft torchao==0.18.0)
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -41,7 +41,8 @@ fi
 
 need=()
 for p in "${PIP_PACKAGES[@]}"; do
-  mod=${p//-/_}
+  mod=${p%%=*}       # the module name: no version pin, '_' for '-'
+  mod=${mod//-/_}
   $PY -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$mod') is None)" 2>/dev/null || need+=("$p")
 done
 if ((${#need[@]})); then
