@@ -324,10 +324,6 @@ def test_lazy_clone_keeps_host_tier():
 
 # ---- quantized tensors (Note [Quantized tensors]; found by test_view_ops.py's flatten/ravel) ----
 
-def _hbm_requested():
-    return superchip.memory_stats()["hbm.requested_bytes"]
-
-
 @pytest.mark.filterwarnings("ignore:.*quantize.*deprecated")
 @pytest.mark.parametrize("make", [
     lambda x: torch.quantize_per_tensor(x.to(DEVICE), 0.1, 0, torch.qint8),
@@ -341,10 +337,10 @@ def test_quantized_tensors_are_refused_with_a_clear_error(make, clean_memory):
     # False; dequantize, .cpu() and printing failed with unrelated errors) and .to("superchip")
     # of a CPU quantized tensor found no kernel.
     x = torch.randn(4, 3)
-    start = _hbm_requested()
+    start = superchip.memory_stats()["hbm.requested_bytes"]
     with pytest.raises(RuntimeError, match="does not hold PyTorch's quantized tensors.*Quantize on the cpu"):
         make(x)
-    assert _hbm_requested() == start
+    assert superchip.memory_stats()["hbm.requested_bytes"] == start
     # Quantizing on the cpu still works with superchip imported.
     q = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
     assert q.is_quantized and torch.equal(q.dequantize(), torch.round(x / 0.1).clamp(-128, 127) * 0.1)
