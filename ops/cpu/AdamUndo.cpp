@@ -21,25 +21,32 @@
 // map ord, so every bit pattern has one), is logged. The prediction depends only on the
 // stepped arrays, the gradient and the hyper-parameters, so adam_undo recomputes it exactly;
 // correctness never depends on how good the prediction is, only the log's size does.
-// The log: one 4-bit code per element (param: residual 0, or "in the side stream"; exp_avg_sq
-// the same; exp_avg: 0, +1, -1 or side stream, because its step loses the old value's low
-// bits whenever the gradient term dominates it), and a side stream of zigzag varints for the
-// rest, in element order, param then exp_avg_sq then exp_avg. param_lowp is round(param)
-// unless the element's param entry carries a flag, followed by its 2 old bytes.
+// The log: one 4-bit code per element and a side stream of zigzag varints, in element order.
+// The code gives exp_avg's and exp_avg_sq's residuals as 0, +1, -1 or "in the side stream"
+// (both moments lose the old value's low bits whenever the gradient term dominates it, by one
+// unit mostly); the param's must be 0, and an element whose param misses, or whose moments
+// both miss, takes the one escape code: all three residuals in the side stream (param,
+// exp_avg_sq, exp_avg). param_lowp is round(param) unless the element's param entry carries
+// a flag, followed by its 2 old bytes.
 // Measured on Adam-shaped data (noise-dominated gradients, step 20 on): param and exp_avg_sq
 // predictions exact for 96-99.6% of elements, exp_avg 71% exact and 21% off by one, so the
-// log holds about 0.6 bytes per element (0.5 of codes); early steps, where the second moment
-// is young, log more (each side entry is 1-5 bytes).
+// log holds about 0.6 bytes per element (0.5 of codes). Young second moments log more (each
+// side entry is 1-5 bytes): at step 2 exp_avg_sq is one gradient's square, mostly lost in the
+// second's, 1.1-1.2 bytes per element; then 0.8 at step 3, and on a bf16 HF Llama's real
+// gradients 0.85 at step 7 (with a code bit for exp_avg_sq's +-1 instead of the escape, the
+// earlier layout: 1.08), 0.58-0.6 from step 10.
 // Speed: the predictions, residuals and codes are computed a block at a time in plain loops
 // over arrays that the compiler vectorizes (one clone per x86 ISA level, picked at load
 // time); divisions by constants are multiplications by their double reciprocals (a
 // prediction only has to be close; recording and undo compute it identically). The side
 // entries are written and read in a scalar pass that visits only the elements that have
 // them (a bit mask per 64 elements); the step itself runs on blocks of kBlock elements whose
-// old values are kept in stack buffers, so the extra reads hit the cache. Measured on one
-// core of this VM (16M elements, AdamW, fp32, step 20 on): recording about 6.7x the plain
-// step's time (the earlier 1-byte codes with 8-byte exceptions: 6.4x in the same runs), undo
-// 7x (it parses the side stream twice: validation, then restore), 0.63 bytes per element.
+// old values are kept in stack buffers, so the extra reads hit the cache. The codes are
+// computed with bit operations only (a select chain there did not vectorize: recording 25%
+// slower). Measured on one core of a 2-core Xeon VM (AVX-512; 16M elements, AdamW, step 20):
+// recording 4.6x the plain step's time with fp32 gradients, 4.8-5.1x with bf16 gradients and
+// param_lowp (the earlier layout: 4.4x and 4.6-4.8x in the same runs), undo 3.5x and 4.2-4.6x
+// (it parses the side stream twice: validation, then restore).
 // Fields are restored in the order param, param_lowp, exp_avg, exp_avg_sq: the param
 // prediction needs only the stepped exp_avg and exp_avg_sq, and the exp_avg prediction of L2
 // Adam needs the restored param (g + wd * p).
@@ -48,11 +55,13 @@ namespace superchip::ops {
 namespace {
 
 constexpr int64_t kBlock = 1024;
-// An element's code: bit 0 param (and param_lowp) in the side stream, bit 1 exp_avg_sq in the
-// side stream, bits 2-3 exp_avg (kAvgZero, kAvgPlus, kAvgMinus: residual 0, +1, -1; kAvgSide).
-constexpr uint8_t kParamSide = 1, kVarSide = 2;
-constexpr int kAvgShift = 2;
-constexpr uint8_t kAvgZero = 0, kAvgPlus = 1, kAvgMinus = 2, kAvgSide = 3;
+// An element's code: bits 0-1 exp_avg, bits 2-3 exp_avg_sq, each kZero, kPlus, kMinus (residual
+// 0, +1, -1) or kSide (in the side stream), the param exact (and param_lowp its rounding).
+// kEscape (both kSide) also covers every element whose param is not exact: all three fields
+// are then in the side stream.
+constexpr uint8_t kZero = 0, kPlus = 1, kMinus = 2, kSide = 3;
+constexpr int kVarShift = 2;
+constexpr uint8_t kEscape = (kSide << kVarShift) | kSide;
 // The longest side entries of one element: three 5-byte varints and 2 bytes of param_lowp.
 constexpr int64_t kMaxSideBytes = 17;
 
@@ -214,18 +223,29 @@ void apply_residuals(int64_t k, const float* __restrict pred, const int32_t* __r
   }
 }
 
+// One field's two code bits for residual r: kZero, kPlus, kMinus or kSide (bit operations only,
+// so the loops below vectorize).
+inline uint32_t field_code(int32_t r) {
+  const uint32_t big = static_cast<uint32_t>(r) + 1u > 2u;  // |r| > 1
+  return static_cast<uint32_t>(r == 1) | (static_cast<uint32_t>(r == -1) << 1) | (big * kSide);
+}
+
+// Whether an element with code c has side entries.
+inline uint8_t has_side(uint8_t c) {
+  return static_cast<uint8_t>(((c & kSide) == kSide) | ((c >> kVarShift) == kSide));
+}
+
 // Each element's code, and side[j] != 0 when it has side entries.
 SUPERCHIP_UNDO_CLONES
 void make_codes(int64_t k, const int32_t* __restrict rp, const uint8_t* __restrict lowp_off,
                 const int32_t* __restrict rv, const int32_t* __restrict rm, uint8_t* __restrict code,
                 uint8_t* __restrict side) {
   for (int64_t j = 0; j < k; ++j) {
-    const int32_t m = rm[j];
-    const uint8_t avg = m == 0 ? kAvgZero : m == 1 ? kAvgPlus : m == -1 ? kAvgMinus : kAvgSide;
-    const uint8_t p = (rp[j] != 0) | (lowp_off[j] != 0);
-    const uint8_t v = rv[j] != 0;
-    code[j] = static_cast<uint8_t>(p | (v << 1) | (avg << kAvgShift));
-    side[j] = static_cast<uint8_t>(p | v | (avg == kAvgSide));
+    const uint32_t escape = 0u - static_cast<uint32_t>((rp[j] != 0) | (lowp_off[j] != 0));  // all ones
+    const uint32_t v = field_code(rv[j]), m = field_code(rm[j]);
+    const uint32_t c = ((v << kVarShift) | m | escape) & kEscape;
+    code[j] = static_cast<uint8_t>(c);
+    side[j] = static_cast<uint8_t>((v == kSide) | (m == kSide) | (escape & 1u));
   }
 }
 
@@ -244,21 +264,18 @@ void unpack_codes(int64_t k, const uint8_t* __restrict in, uint8_t* __restrict c
     code[2 * j + 1] = in[j] >> 4;
   }
   if (k & 1) code[k - 1] = in[k / 2] & 0xF;
-  for (int64_t j = 0; j < k; ++j) {
-    const uint8_t c = code[j];
-    side[j] = static_cast<uint8_t>((c & (kParamSide | kVarSide)) | ((c >> kAvgShift) == kAvgSide));
-  }
+  for (int64_t j = 0; j < k; ++j) side[j] = has_side(code[j]);
 }
 
-// The residuals the codes hold: exp_avg's 0/+1/-1 (side entries overwrite the rest).
+// The residuals the codes hold: 0/+1/-1 of exp_avg and exp_avg_sq (side entries overwrite the rest).
 SUPERCHIP_UNDO_CLONES
 void code_residuals(int64_t k, const uint8_t* __restrict code, int32_t* __restrict rp, int32_t* __restrict rv,
                     int32_t* __restrict rm) {
   for (int64_t j = 0; j < k; ++j) {
-    const int32_t avg = code[j] >> kAvgShift;
+    const int32_t m = code[j] & kSide, v = code[j] >> kVarShift;
     rp[j] = 0;
-    rv[j] = 0;
-    rm[j] = (avg == kAvgPlus) - (avg == kAvgMinus);
+    rv[j] = (v == kPlus) - (v == kMinus);
+    rm[j] = (m == kPlus) - (m == kMinus);
   }
 }
 
@@ -337,7 +354,7 @@ void read_side(int64_t k, const uint8_t* code, const uint8_t* side, bool lowp, S
                int32_t* rv, int32_t* rm, uint8_t* lowp_off, uint16_t* lraw) {
   for_each_side(k, side, [&](int64_t j) {
     const uint8_t c = code[j];
-    if (c & kParamSide) {
+    if (c == kEscape) {
       uint64_t x = in.varint(lowp ? 33 : 32);
       if (lowp) {
         lowp_off[j] = static_cast<uint8_t>(x & 1);
@@ -346,8 +363,8 @@ void read_side(int64_t k, const uint8_t* code, const uint8_t* side, bool lowp, S
       }
       rp[j] = unzigzag(static_cast<uint32_t>(x));
     }
-    if (c & kVarSide) rv[j] = unzigzag(static_cast<uint32_t>(in.varint(32)));
-    if ((c >> kAvgShift) == kAvgSide) rm[j] = unzigzag(static_cast<uint32_t>(in.varint(32)));
+    if ((c >> kVarShift) == kSide) rv[j] = unzigzag(static_cast<uint32_t>(in.varint(32)));
+    if ((c & kSide) == kSide) rm[j] = unzigzag(static_cast<uint32_t>(in.varint(32)));
   });
 }
 
@@ -414,7 +431,7 @@ void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path,
     uint8_t* out = buf;
     for_each_side(k, side, [&](int64_t j) {
       const uint8_t c = code[j];
-      if (c & kParamSide) {
+      if (c == kEscape) {
         const uint64_t z = zigzag(rp[j]);
         out = put_varint(out, lowp ? (z << 1) | lowp_off[j] : z);
         if (lowp && lowp_off[j]) {
@@ -423,11 +440,11 @@ void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path,
         }
         ++log->escapes;
       }
-      if (c & kVarSide) {
+      if ((c >> kVarShift) == kSide) {
         out = put_varint(out, zigzag(rv[j]));
         ++log->escapes;
       }
-      if ((c >> kAvgShift) == kAvgSide) {
+      if ((c & kSide) == kSide) {
         out = put_varint(out, zigzag(rm[j]));
         ++log->escapes;
       }

@@ -1,7 +1,7 @@
 // Exact rollback of a speculative Adam/AdamW step (Note [Exact rollback] in AdamUndo.cpp).
 // adam_step_recording() runs adam_step() and writes an undo log: per element a 4-bit code
-// (param, exp_avg_sq and exp_avg: how far the old value is from a prediction made from the
-// stepped values), plus a byte stream with the residuals the codes do not hold; adam_undo()
+// (exp_avg and exp_avg_sq: how far the old value is from a prediction made from the stepped
+// values, or an escape), plus a byte stream with the residuals the codes do not hold; adam_undo()
 // restores every element of param, exp_avg, exp_avg_sq and param_lowp bit for bit from the
 // stepped arrays, the same gradient and the same hyper-parameters. Any old value can be
 // logged (NaN, infinities, denormals, signed zeros); only the log's size depends on the data.

@@ -162,9 +162,10 @@ TEST_P(AdamUndoTest, RestoresEveryElementBitForBit) {
 }
 
 // The log's size on training-shaped data: parameters ~ N(0, 0.02), noise-dominated
-// gradients ~ N(0, 1e-3) redrawn each step, AdamW at lr 3e-4. From step 10 on the log must
-// stay within 1 byte per element (the engine's host memory target), and every recorded step
-// must still undo exactly. bf16 gradients with a bf16 param_lowp copy and fp32 alone.
+// gradients ~ N(0, 1e-3) redrawn each step, AdamW at lr 3e-4. From step 3 on the log must
+// stay within 1 byte per element (the engine's host memory target; step 2's exp_avg_sq, one
+// gradient's square, is mostly lost in the next one's: about 1.2 bytes), and every recorded
+// step must still undo exactly. bf16 gradients with a bf16 param_lowp copy and fp32 alone.
 TEST(AdamUndo, LogWithinOneBytePerElementOnTrainingData) {
   for (const DTypeCombo combo : {DTypeCombo{DType::kF32, false, DType::kF32},
                                  DTypeCombo{DType::kBF16, true, DType::kBF16}}) {
@@ -201,14 +202,14 @@ TEST(AdamUndo, LogWithinOneBytePerElementOnTrainingData) {
           << "step " << step << " not restored";
       s = stepped;  // go on from the stepped state
       const double per_element = static_cast<double>(log.bytes()) / n;
-      if (step >= 10) worst = std::max(worst, per_element);
-      if (step == 1 || step == 2 || step == 10 || step == 30) {
+      if (step >= 3) worst = std::max(worst, per_element);
+      if (step <= 3 || step == 10 || step == 30) {
         std::printf("[undo] %s step %lld: %.3f bytes/element, %.4f side entries/element\n",
                     combo_name(SimdPath::kScalar, combo).c_str(), static_cast<long long>(step), per_element,
                     static_cast<double>(log.escapes) / n);
       }
     }
-    EXPECT_LE(worst, 1.0) << "undo log above 1 byte per element from step 10 on";
+    EXPECT_LE(worst, 1.0) << "undo log above 1 byte per element from step 3 on";
   }
 }
 
