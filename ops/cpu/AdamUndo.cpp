@@ -33,8 +33,8 @@
 // log holds about 0.6 bytes per element (0.5 of codes). Young second moments log more (each
 // side entry is 1-5 bytes): at step 2 exp_avg_sq is one gradient's square, mostly lost in the
 // second's, 1.1-1.2 bytes per element; then 0.8 at step 3, and on a bf16 HF Llama's real
-// gradients 0.85 at step 7 (with a code bit for exp_avg_sq's +-1 instead of the escape, the
-// earlier layout: 1.08), 0.58-0.6 from step 10.
+// gradients 0.85 at step 7 (1.08 with the earlier layout, which sent every exp_avg_sq miss,
+// +-1 included, to the side stream), 0.58-0.6 from step 10.
 // Speed: the predictions, residuals and codes are computed a block at a time in plain loops
 // over arrays that the compiler vectorizes (one clone per x86 ISA level, picked at load
 // time); divisions by constants are multiplications by their double reciprocals (a

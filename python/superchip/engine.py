@@ -48,7 +48,8 @@ def speculation_policy() -> str:
 
 # Note [Speculation budget]
 # A speculative step costs the worker far more than the plain step: recording the undo log
-# (ops/cpu/AdamUndo.cpp) takes about 6.7x the plain step's CPU time. That is free while the
+# (ops/cpu/AdamUndo.cpp) takes 4.6-5x the plain step's CPU time (2-core Xeon VM; 6.7x was
+# measured on a 2-core EPYC VM with an earlier build). That is free while the
 # worker would idle through backward anyway, and a loss once it is not: speculative work still
 # queued at step() runs before the steps the next forward needs first (the first layers, which
 # backward finishes last), and the optimizer is the bottleneck whenever backward is short next
