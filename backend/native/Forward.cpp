@@ -141,7 +141,8 @@ struct OpFacts {
   std::vector<int> device_args;      // positions of Device? arguments
   std::vector<bool> mutable_args;    // per argument: written by the op (alias_info is_write)
   bool writes_arguments = false;     // any of mutable_args
-  bool allows_cpu_operands = false;  // index ops take CPU index tensors, as on CUDA
+  bool cpu_index_operands = false;   // index ops: CPU indices (and values) are accepted, as on
+                                     // CUDA (`t[cpu_idx]`); the indexed tensor never
   int rows_arg = -1;                 // the operand read by rows (Access::kReadRows), or -1
 };
 
@@ -170,8 +171,10 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
     f.writes_arguments |= f.mutable_args[i];
   }
   const std::string& name = schema.name();
-  f.allows_cpu_operands = name == "aten::index" || name == "aten::index_put_" ||
-                          name == "aten::_index_put_impl_" || name == "aten::index_put";
+  if (name == "aten::index" || name == "aten::index_put_" || name == "aten::_index_put_impl_" ||
+      name == "aten::index_put") {
+    f.cpu_index_operands = true;  // (Tensor self, Tensor?[] indices, ...)
+  }
   // Gathers of rows: the table (weight / self) is their first argument.
   if (name == "aten::embedding" || name == "aten::index_select" || name == "aten::embedding_bag" ||
       name == "aten::_embedding_bag" || name == "aten::_embedding_bag_forward_only") {
@@ -251,7 +254,10 @@ class ForwardedCall {
   }
 
  private:
-  void note_device(const at::Tensor& t, bool mutated) {
+  // cpu: which CPU operands are accepted: kCpuScalar (a 0-dim one, as a scalar), kCpuAny (an
+  // index op's indices and values), kCpuNone (an index op's indexed tensor).
+  enum CpuOperand { kCpuScalar, kCpuAny, kCpuNone };
+  void note_device(const at::Tensor& t, bool mutated, CpuOperand cpu) {
     if (!t.defined()) return;
     const c10::Device d = t.device();
     if (d.type() == c10::DeviceType::PrivateUse1) {
@@ -262,7 +268,7 @@ class ForwardedCall {
                     "at least two devices, superchip:", int(device_), " and ", d, "! (in ",
                     op_.schema().name(), "). Move them to one device with .to().");
       }
-    } else if (mutated || (!(t.dim() == 0 && d.is_cpu()) && !facts_.allows_cpu_operands)) {
+    } else if (mutated || !d.is_cpu() || cpu == kCpuNone || (cpu == kCpuScalar && t.dim() != 0)) {
       // A CPU 0-dim tensor is accepted as a scalar operand, never as an output (as on CUDA).
       foreign_ = d;
       if (layout_call_) foreign_args_.push_back(t);
@@ -273,15 +279,31 @@ class ForwardedCall {
     for (size_t k = 0; k < num_args_; ++k) {
       const c10::IValue& v = (*stack_)[first_ + k];
       const bool mutated = facts_.mutable_args[k];
+      const CpuOperand cpu_allowed =
+          !facts_.cpu_index_operands ? kCpuScalar : (k == 0 ? kCpuNone : kCpuAny);
       if (v.isTensor()) {
-        note_device(v.toTensor(), mutated);
+        note_device(v.toTensor(), mutated, cpu_allowed);
       } else if (v.isTensorList()) {
-        for (const at::Tensor& t : v.toTensorList()) note_device(t, mutated);
+        for (const at::Tensor& t : v.toTensorList()) note_device(t, mutated, cpu_allowed);
       } else if (v.isList()) {
         for (const c10::IValue& e : v.toListRef()) {
-          if (e.isTensor()) note_device(e.toTensor(), mutated);
+          if (e.isTensor()) note_device(e.toTensor(), mutated, cpu_allowed);
         }
       }
+    }
+    if (foreign_.has_value() && facts_.cpu_index_operands) {
+      // `cpu_tensor[superchip_idx]`: ATen's own check and message (CUDA's, for cuda indices).
+      const c10::IValue& self = (*stack_)[first_];
+      const c10::IValue& indices = (*stack_)[first_ + 1];
+      bool superchip_index = false;
+      if (indices.isList()) {
+        for (const c10::IValue& e : indices.toListRef()) {
+          superchip_index |= e.isTensor() && is_superchip(e.toTensor());
+        }
+      }
+      TORCH_CHECK(!superchip_index || !self.isTensor() || is_superchip(self.toTensor()),
+                  "indices should be either on cpu or on the same device as the indexed tensor (",
+                  self.toTensor().device(), ")");
     }
     if (foreign_.has_value() && layout_call_ &&
         (names_superchip_device() || op_.schema().name() == "aten::copy_")) {

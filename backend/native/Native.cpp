@@ -3,6 +3,8 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/ResizeCommon.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/_local_scalar_dense.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
@@ -59,6 +61,14 @@ bool in_autocast_region() {
   return at::autocast::decrement_nesting() > 0;
 }
 
+// Under torch.use_deterministic_algorithms(True) (with torch.utils.deterministic.
+// fill_uninitialized_memory, its default), new memory is filled with NaN, or the integer
+// maximum, as CPU and CUDA do.
+bool fills_uninitialized() {
+  const at::Context& ctx = at::globalContext();
+  return C10_UNLIKELY(ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory());
+}
+
 // Covers all of its storage's bytes, each once.
 bool fills_storage(const at::Tensor& t) {
   return t.storage_offset() == 0 && t.is_non_overlapping_and_dense() &&
@@ -74,9 +84,11 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
   check_factory_args(layout, pin_memory);
   const c10::DeviceIndex index = device_of(device);
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, index));
-  return at::detail::empty_generic(size, &superchip_allocator(),
-                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                   c10::dtype_or_default(dtype), memory_format);
+  at::Tensor t = at::detail::empty_generic(size, &superchip_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype), memory_format);
+  if (fills_uninitialized()) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
@@ -85,9 +97,11 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
   check_factory_args(layout, pin_memory);
   const c10::DeviceIndex index = device_of(device);
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, index));
-  return at::detail::empty_strided_generic(size, stride, &superchip_allocator(),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                           c10::dtype_or_default(dtype));
+  at::Tensor t = at::detail::empty_strided_generic(size, stride, &superchip_allocator(),
+                                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                   c10::dtype_or_default(dtype));
+  if (fills_uninitialized()) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 
 at::Tensor efficientzerotensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
@@ -114,6 +128,7 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::Int
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  const int64_t old_nbytes = impl->has_storage() ? static_cast<int64_t>(impl->unsafe_storage().nbytes()) : 0;
   at::native::resize_impl_cpu_(impl, size, /*stride=*/std::nullopt, /*resize_storage=*/false);
   if (memory_format.has_value()) {
     TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve,
@@ -121,6 +136,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
     impl->empty_tensor_restride(*memory_format);
   }
   ensure_storage_bytes(impl);
+  if (fills_uninitialized()) at::native::fill_resize_deterministic_(self, old_nbytes);
   return self;
 }
 

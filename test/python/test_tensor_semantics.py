@@ -252,6 +252,60 @@ def test_resize_():
     assert t.numel() == 0
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_deterministic_mode_fills_new_memory_as_cpu(deterministic_algorithms, dtype):
+    # Under torch.use_deterministic_algorithms(True), CPU and CUDA fill uninitialized memory
+    # with NaN (the integer maximum, True): superchip's own empty, empty_strided and resize_
+    # did not (upstream test_torch's test_deterministic_empty / _resize).
+    def made(device):
+        grown = torch.zeros(3, dtype=dtype, device=device)
+        grown.resize_(7)
+        return [torch.empty(5, dtype=dtype, device=device),
+                torch.empty_like(torch.zeros(2, 3, dtype=dtype, device=device)),
+                torch.empty_strided((2, 3), (1, 2), dtype=dtype, device=device),
+                torch.zeros(1, dtype=dtype, device=device).new_empty(4),
+                torch.empty_permuted((2, 3, 4), (2, 0, 1), dtype=dtype, device=device),
+                grown]
+    for got, want in zip(made(DEVICE), made("cpu")):
+        assert got.device == DEVICE
+        torch.testing.assert_close(got.cpu(), want, equal_nan=True, rtol=0, atol=0)
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        torch.empty(4, dtype=dtype, device=DEVICE)  # the switch is honoured: no fill, no error
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def test_indexing_a_cpu_tensor_with_superchip_indices_raises():
+    # CPU indices into a superchip tensor are accepted (as CUDA accepts them); superchip
+    # indices into a CPU tensor are an error, as CUDA indices are (upstream test_torch's
+    # test_advancedindex_mixed_devices_error). Before, the call was forwarded and returned a
+    # superchip tensor.
+    x = torch.arange(6.0).view(3, 2)
+    idx = torch.tensor([0, 2], device=DEVICE)
+    msg = r"indices should be either on cpu or on the same device as the indexed tensor \(cpu\)"
+    with pytest.raises(RuntimeError, match=msg):
+        x[idx]
+    with pytest.raises(RuntimeError, match=msg):
+        x[idx] = torch.zeros(2, 2)
+    assert x.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    xs = x.to(DEVICE)
+    assert xs[torch.tensor([0, 2])].device == DEVICE
+    assert xs[torch.tensor([0, 2])].cpu().tolist() == [[0.0, 1.0], [4.0, 5.0]]
+    xs[torch.tensor([1])] = torch.full((1, 2), 9.0)
+    assert xs.cpu().tolist() == [[0.0, 1.0], [9.0, 9.0], [4.0, 5.0]]
+
+
 def test_set_():
     a = torch.arange(6.0, device=DEVICE)
     b = torch.empty(0, device=DEVICE)
