@@ -303,7 +303,8 @@ class ForwardedCall {
       }
       TORCH_CHECK(!superchip_index || !self.isTensor() || is_superchip(self.toTensor()),
                   "indices should be either on cpu or on the same device as the indexed tensor (",
-                  self.toTensor().device(), ")");
+                  self.toTensor().device(), "). Move the indexed tensor to superchip, or the "
+                  "indices to ", self.toTensor().device(), ", with .to() (in ", op_.schema().name(), ").");
     }
     if (foreign_.has_value() && layout_call_ &&
         (names_superchip_device() || op_.schema().name() == "aten::copy_")) {
