@@ -6,7 +6,7 @@ Not a test; every figure is a ratio to a baseline measured in the same run.
              torch.optim.AdamW step, loss.item()) on `superchip` and on plain `cpu`; on a
              GPU machine whose executor is CUDA also on plain `cuda`, and `cuda, math sdpa`:
              plain CUDA with scaled_dot_product_attention forced to its math decomposition,
-             the route superchip still takes there. The devices take turns (interleaved
+             which shows what the fused kernel superchip takes too (CUDA's choice) saves. The devices take turns (interleaved
              repetitions of a few steps each); the median per-step time of each is reported
              with the ratio superchip / baseline.
   (b) op     The fixed cost of one small op, `a.add_(b)` and `a + b` on 16-element fp32
@@ -84,10 +84,9 @@ def bench_step(args, baselines: list[str]) -> dict:
     worker = None
     for b in baselines:
         if b == "cuda":
-            # Note [CUDA baseline in its own process] (step_case.py). Its second case is
-            # superchip's attention route on the CUDA executor (no "overrideable" kernel yet):
-            # superchip / "cuda, math sdpa" is the dispatch cost alone, that row / cuda the
-            # route's cost.
+            # Note [CUDA baseline in its own process] (step_case.py). Its second case forces
+            # attention to the math decomposition: "cuda, math sdpa" / cuda is what CUDA's
+            # fused kernel (superchip's route too, Note [Attention on superchip]) saves.
             worker = CudaWorker(cfg_args)
             cases.update(worker.cases())
         else:

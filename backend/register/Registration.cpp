@@ -5,6 +5,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include "backend/native/Attention.h"
 #include "backend/native/Forward.h"
 #include "backend/native/GroupNorm.h"
 #include "backend/native/Native.h"
@@ -90,6 +91,13 @@ int register_executor_kernels() {
     // below, which would register the plain forwarding kernel for native_group_norm.
     lib->impl("native_group_norm", TORCH_FN(native::native_group_norm));
     lib->impl("native_group_norm_backward", TORCH_FN(native::native_group_norm_backward));
+    count += 2;
+  } else {
+    // Note [Attention on superchip]: CUDA's flash kernel, which sdpa reaches from superchip
+    // only through this entry.
+    lib->impl("_scaled_dot_product_fused_attention_overrideable", TORCH_FN(native::sdpa_overrideable_flash));
+    lib->impl("_scaled_dot_product_fused_attention_overrideable_backward",
+              TORCH_FN(native::sdpa_overrideable_flash_backward));
     count += 2;
   }
   auto& dispatcher = c10::Dispatcher::singleton();

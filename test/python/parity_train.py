@@ -68,8 +68,8 @@ def train(model: GPT, device: str, optimizer: str, steps: int = STEPS):
 
 
 def cuda_reference(optimizer: str, cfg: dict, out: str):
-    """The plain-CUDA run, with attention forced to the math route (superchip's route on the
-    CUDA executor), saved to ``out``."""
+    """The plain-CUDA run, with attention forced to the math route (deterministic; the test
+    forces superchip's run to it too), saved to ``out``."""
     with sdpa_kernel([SDPBackend.MATH]):
         result = train(seeded_model(**cfg), "cuda", optimizer)
     torch.save(result, out)
