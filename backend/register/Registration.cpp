@@ -54,11 +54,14 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, SuperchipGuardImpl);
 namespace superchip {
 
 // Note [Forwarding composite kernels]
-// An op with both an executor kernel and a CompositeExplicitAutograd(NonFunctional) kernel
-// would run the composite one on superchip (it outranks the fallback): a decomposition that
-// is slower and gives different bits than the executor (native_layer_norm is one). Those ops
-// are registered to the forwarding kernel explicitly. Ops that create tensors on a device or
-// move bytes between devices keep their composite kernels, which route to the native set.
+// An op with both an executor kernel and a composite one (CompositeExplicitAutograd,
+// ...NonFunctional, or CompositeImplicitAutograd) would run the composite on superchip (it
+// outranks the fallback): a decomposition that is slower and gives different bits than the
+// executor (native_layer_norm; mish_backward, whose decomposition differs from CPU's kernel in
+// the last bit of a quarter of its values; _fused_rms_norm, which F.rms_norm calls and CUDA
+// fuses). Those ops are registered to the forwarding kernel explicitly; autograd then takes
+// the op's own formula, as on the executor. Ops that create tensors on a device or move bytes
+// between devices keep their composite kernels, which route to the native set.
 // The `kernel` of a layout's superchip key (`superchip`) for every aten op the executor has a
 // kernel of that layout for (`exec`), unless superchip has one. Returns how many.
 template <void (*kernel)(const c10::OperatorHandle&, torch::jit::Stack*)>
@@ -108,7 +111,8 @@ int register_executor_kernels() {
     if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
     if (!op->hasKernelForDispatchKey(exec)) continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
       continue;
     }
     if (!forwardable_composite(op->schema())) continue;

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import superchip
 
@@ -214,3 +215,51 @@ def test_clip_grad_norm_and_no_grad():
     with torch.no_grad():
         out = dev(x.to(DEVICE))
     assert not out.requires_grad and out.grad_fn is None
+
+
+# ---- composite ops with an executor kernel (Note [Forwarding composite kernels]) ----
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+_COMPOSITE_CASES = {  # name: (function of x and a weight, shape of x, differentiable)
+    # mish's backward: CPU and CUDA have a mish_backward kernel beside its decomposition.
+    "mish": (lambda x, w: F.mish(x), (4096,), True),
+    # F.rms_norm calls _fused_rms_norm: CUDA's fused kernel, a decomposition on the CPU.
+    "rms_norm": (lambda x, w: F.rms_norm(x, (64,), w), (32, 64), True),
+    # The CPU has a native_channel_shuffle kernel beside its decomposition (no derivative).
+    "channel_shuffle": (lambda x, w: torch.ops.aten.native_channel_shuffle(x, 4), (2, 8, 3, 3), False),
+}
+
+
+@pytest.mark.parametrize("case", list(_COMPOSITE_CASES))
+def test_composite_ops_run_the_executors_kernels(case):
+    fn, shape, differentiable = _COMPOSITE_CASES[case]
+    ref_device = superchip.executor()
+    # Backward only on the CPU executor: plain-CUDA backward cannot run in a process with
+    # superchip loaded with torch 2.11 (Note [CUDA reference in its own process]).
+    backward = differentiable and ref_device == "cpu"
+    torch.manual_seed(0)
+    x, g, w = torch.randn(shape), torch.randn(shape), torch.linspace(0.5, 1.5, 64)
+
+    def run(device):
+        xd, gd, wd = x.to(device).requires_grad_(backward), g.to(device), w.to(device)
+        names = _OpNames()
+        with names:
+            out = fn(xd, wd)
+            grad = torch.autograd.grad(out, xd, gd)[0] if backward else None
+        return names.names, out.detach().cpu(), grad.cpu() if backward else None
+
+    ops_ref, out_ref, grad_ref = run(ref_device)
+    ops, out, grad = run("superchip")
+    assert ops == ops_ref, f"superchip ran {ops}, {ref_device} {ops_ref}"
+    assert torch.equal(out, out_ref)
+    if backward:
+        assert torch.equal(grad, grad_ref)
