@@ -18,27 +18,20 @@ namespace {
 
 // ---- the choice ----
 
-c10::DispatchKey executor_key() {
-  return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
-}
-
-// Stand-ins are never read; an address for a tensor without bytes (a fake tensor), aligned
-// past any alignment a selector asks of a base pointer, as the caching allocators' are.
+// Stand-ins are never read. Their address: superchip's blocks are at least 64-byte aligned
+// (allocator/Backing.h), past any base-pointer alignment a selector asks for (16 bytes for
+// CUDA's memory-efficient kernel), so only the storage offset decides, as for the real tensor.
 void* const kUnreadAddress = reinterpret_cast<void*>(uintptr_t{1} << 12);
 
 // A tensor of the executor's device type with `t`'s sizes, strides, offset, dtype and
-// requires_grad, over a storage that owns nothing: its data pointer is `t`'s own (alignment
-// checks see the real address) or kUnreadAddress when `t` has no bytes.
+// requires_grad over a storage that owns nothing. `t`'s own bytes are never touched: a fake
+// tensor has none, and some storages refuse even to tell their address.
 at::Tensor executor_standin(const at::Tensor& t) {
-  const c10::StorageImpl* own = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-  void* data = own != nullptr ? own->data_ptr().get() : nullptr;
-  if (data == nullptr) data = kUnreadAddress;
-  const c10::Device device(executor_device_type(), t.device().index());
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(data, device),
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
+                       c10::DataPtr(kUnreadAddress, executor_device(t.device().index())),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage),
-      c10::DispatchKeySet(executor_key()), t.dtype());
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
+                                                   c10::DispatchKeySet(executor_dispatch_key()), t.dtype());
   impl->set_sizes_and_strides(t.sym_sizes(), t.sym_strides(), t.sym_storage_offset());
   at::Tensor s(std::move(impl));
   if (t.requires_grad()) s.set_requires_grad(true);
@@ -61,7 +54,7 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
   // The executor's selector, as its kernel of the _fused_sdp_choice op: a redispatch to that
   // key alone, so no mode on the stack (fake tensors while compiling) sees the stand-ins.
   const int64_t choice = at::_ops::_fused_sdp_choice::redispatch(
-      c10::DispatchKeySet(executor_key()), executor_standin(query), executor_standin(key),
+      c10::DispatchKeySet(executor_dispatch_key()), executor_standin(query), executor_standin(key),
       executor_standin(value), mask_standin, dropout_p, is_causal, scale, enable_gqa);
   // sdpa runs CUDA's flash kernel only for CUDA tensors; the overrideable entry reaches it.
   if (executor() == Executor::kCuda && choice == static_cast<int64_t>(sdp::SDPBackend::flash_attention)) {

@@ -66,10 +66,6 @@ c10::Allocator* executor_allocator() {
   return c10::GetAllocator(executor_device_type());
 }
 
-c10::DispatchKey executor_key() {
-  return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
-}
-
 // The executor's runtime key for a functionality (Dense, NestedTensor, Sparse, SparseCsr).
 c10::DispatchKey executor_key(c10::DispatchKey functionality) {
   return c10::toRuntimePerBackendFunctionalityKey(
@@ -785,7 +781,7 @@ at::Tensor AliasSet::alias(const at::Tensor& t, Access access) {
     if (impl == t.unsafeGetTensorImpl()) return a;
   }
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
-                                                   keys_like(executor_key(), t), t.dtype());
+                                                   keys_like(executor_dispatch_key(), t), t.dtype());
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   copy_view_bits(impl.get(), t);
   at::Tensor a(std::move(impl));

@@ -85,8 +85,7 @@ int register_executor_kernels() {
   static torch::Library* lib = nullptr;
   static int count = 0;
   if (lib != nullptr) return count;
-  const c10::DispatchKey exec = executor() == Executor::kCuda ? c10::DispatchKey::CUDA
-                                                              : c10::DispatchKey::CPU;
+  const c10::DispatchKey exec = executor_dispatch_key();
   lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
                            __LINE__);  // lives for the process, like the registrations it holds
   if (executor() == Executor::kCpu) {

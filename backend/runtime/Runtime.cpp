@@ -91,6 +91,10 @@ c10::DeviceType executor_device_type() {
   return executor() == Executor::kCuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
 }
 
+c10::DispatchKey executor_dispatch_key() {
+  return executor() == Executor::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+}
+
 c10::Device executor_device(c10::DeviceIndex index) {
   if (executor() == Executor::kCuda) return c10::Device(c10::DeviceType::CUDA, index);
   return c10::Device(c10::DeviceType::CPU);

@@ -7,6 +7,7 @@
 
 #include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
+#include <c10/core/DispatchKey.h>
 
 #include <string>
 
@@ -20,8 +21,10 @@ enum class Executor { kCpu, kCuda };
 // CUDA and a GPU is visible; kCpu otherwise. A request that cannot be met raises, saying why.
 Executor executor();
 const char* executor_name(Executor e) noexcept;
-// The device type forwarded kernels run on (kCPU or kCUDA) and the device of superchip:index.
+// The device type forwarded kernels run on (kCPU or kCUDA), its dense dispatch key, and the
+// device of superchip:index.
 c10::DeviceType executor_device_type();
+c10::DispatchKey executor_dispatch_key();
 c10::Device executor_device(c10::DeviceIndex index);
 
 // Number of superchip devices: the CUDA device count with the CUDA executor, otherwise
