@@ -11,6 +11,9 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "backend/runtime/Runtime.h"
 
 namespace superchip::native {
@@ -57,7 +60,7 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
       c10::DispatchKeySet(executor_dispatch_key()), executor_standin(query), executor_standin(key),
       executor_standin(value), mask_standin, dropout_p, is_causal, scale, enable_gqa);
   // sdpa runs CUDA's flash kernel only for CUDA tensors; the overrideable entry reaches it.
-  if (executor() == Executor::kCuda && choice == static_cast<int64_t>(sdp::SDPBackend::flash_attention)) {
+  if (flash_through_overrideable() && choice == static_cast<int64_t>(sdp::SDPBackend::flash_attention)) {
     return static_cast<int64_t>(sdp::SDPBackend::overrideable);
   }
   return choice;
@@ -92,6 +95,23 @@ void check_flash_entry(const char* op, bool has_bias) {
 }
 
 }  // namespace
+
+// Note [Emulating CUDA's flash entry]
+// The kernels below run only with the CUDA executor, where nothing in CI runs. With
+// SUPERCHIP_EMULATE_CUDA_FLASH=1 the CPU executor takes them too: the CPU's flash choice is
+// answered `overrideable`, and these kernels call _scaled_dot_product_flash_attention and its
+// backward, forwarded to the CPU, which has no kernel for them. The test that sets the
+// variable (test_attention.py) registers CPU kernels for both with torch.library, standing in
+// for CUDA's flash kernel, and checks the result against sdpa's CUDA flash branch written out
+// over the same stand-ins: padding, scale, narrowing and the autograd wiring, bit for bit.
+// Test-only; anything else that runs attention under it fails for want of those kernels.
+bool flash_through_overrideable() {
+  static const bool emulate = [] {
+    const char* v = std::getenv("SUPERCHIP_EMULATE_CUDA_FLASH");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return executor() == Executor::kCuda || emulate;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
            at::Tensor, at::Tensor>

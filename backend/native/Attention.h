@@ -20,6 +20,11 @@
 
 namespace superchip::native {
 
+// Whether CUDA's flash choice is answered `overrideable` and the kernels below are registered:
+// with the CUDA executor, or with the CPU executor under SUPERCHIP_EMULATE_CUDA_FLASH=1 (Note
+// [Emulating CUDA's flash entry], Attention.cpp), which tests this path without a GPU.
+bool flash_through_overrideable();
+
 // (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
 // debug_attn_mask), as _scaled_dot_product_flash_attention returns them; attn_bias must be
 // absent (flash attention takes no mask; sdpa never passes one here).

@@ -94,7 +94,8 @@ int register_executor_kernels() {
     lib->impl("native_group_norm", TORCH_FN(native::native_group_norm));
     lib->impl("native_group_norm_backward", TORCH_FN(native::native_group_norm_backward));
     count += 2;
-  } else {
+  }
+  if (native::flash_through_overrideable()) {
     // Note [Attention on superchip]: CUDA's flash kernel, which sdpa reaches from superchip
     // only through this entry.
     lib->impl("_scaled_dot_product_fused_attention_overrideable", TORCH_FN(native::sdpa_overrideable_flash));

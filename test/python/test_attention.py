@@ -21,6 +21,7 @@ import superchip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sdpa_cases import CASES, CUDA_CASES, run_case  # noqa: E402
+from helpers import run_python  # noqa: E402
 
 EXECUTOR = superchip.executor()
 
@@ -90,3 +91,84 @@ def test_overrideable_entry_refuses_a_mask():
     q = torch.randn(1, 2, 8, 16, device="superchip", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="takes no attn_bias.*scaled_dot_product_attention"):
         torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, q, q, torch.zeros(8, 8, device="superchip"))
+
+
+# ---- the overrideable entry without a GPU (Note [Emulating CUDA's flash entry]) ----
+
+EMULATED_FLASH = r'''
+import math, torch, superchip, torch.nn.functional as F
+aten = torch.ops.aten
+calls = []
+
+def attention(q, k, v, is_causal, scale):
+    """Attention in float32 with CUDA flash's conventions (GQA by repeating k and v): the
+    output, the log-sum-exp of each row and the probabilities."""
+    rep = q.size(1) // k.size(1)
+    kf, vf = (t.float().repeat_interleave(rep, 1) for t in (k, v))
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return (s.softmax(-1) @ vf).to(q.dtype), torch.logsumexp(s, -1), s.softmax(-1), kf, vf, rep
+
+# CPU kernels standing in for CUDA's flash forward and backward (same schema and outputs).
+def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    calls.append(("forward", q.size(-1), scale))
+    out, lse, *_ = attention(q, k, v, is_causal, scale)
+    return (out, lse, torch.empty(0), torch.empty(0), q.size(2), k.size(2),
+            torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0))
+
+def flash_backward(g, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, *, scale=None):
+    calls.append(("backward", g.size(-1), out.size(-1), scale, out.clone(), g.clone()))
+    _, _, p, kf, vf, rep = attention(q, k, v, is_causal, scale)
+    gf = g.float()
+    dp = gf @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq, dk, dv = (ds @ kf) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ gf
+    b, h, s, d = dk.shape
+    dk, dv = (t.view(b, h // rep, rep, s, t.size(-1)).sum(2) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+lib = torch.library.Library("aten", "IMPL")
+lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+lib.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
+
+def cuda_branch(q, k, v, g, is_causal, scale):
+    """sdpa's CUDA flash branch (ATen attention.cpp) over CPU tensors: head dim padded to a
+    multiple of 8, the unpadded dimension's scale, the output narrowed; autograd through it."""
+    d = q.size(-1)
+    padded = [F.pad(t, (0, (8 - d % 8) % 8)) for t in (q, k, v)]
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out = aten._scaled_dot_product_flash_attention(*padded, 0.0, is_causal, False, scale=scale)[0][..., :d]
+    return out, torch.autograd.grad(out, (q, k, v), g)
+
+for hq, hkv, d, is_causal, scale in [(4, 4, 36, False, None), (4, 4, 64, True, None),
+                                     (8, 2, 36, True, 0.3), (4, 4, 20, False, None)]:
+    torch.manual_seed(d + hq)
+    q, g = (torch.randn(2, hq, 16, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 16, d, dtype=torch.bfloat16) for _ in range(2))
+    want_out, want_grads = cuda_branch(*[t.clone().requires_grad_() for t in (q, k, v)], g, is_causal, scale)
+    calls.clear()
+    leaves = [t.to("superchip").requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFusedAttentionOverrideableBackward0", out.grad_fn
+    grads = torch.autograd.grad(out, leaves, g.to("superchip"))
+    case = (hq, hkv, d, is_causal, scale)
+    padded, expected_scale = d + (8 - d % 8) % 8, scale if scale is not None else 1.0 / math.sqrt(d)
+    assert [c[:3] if c[0] == "forward" else c[:4] for c in calls] == [
+        ("forward", padded, expected_scale), ("backward", padded, padded, expected_scale)], (case, calls)
+    # The output and its gradient reach the backward zero-padded, as sdpa's branch leaves them.
+    assert not calls[1][4][..., d:].any() and not calls[1][5][..., d:].any(), case
+    assert out.stride() == leaves[0].stride(), (case, out.stride(), leaves[0].stride())
+    assert torch.equal(out.detach().cpu(), want_out.detach()), (case, "output")
+    for i, (a, b) in enumerate(zip(grads, want_grads)):
+        assert a.stride() == leaves[i].stride(), (case, i, a.stride())
+        assert torch.equal(a.cpu(), b), (case, "gradient", i)
+    print("OK", case)
+'''
+
+
+@pytest.mark.skipif(EXECUTOR != "cpu", reason="emulates CUDA's flash kernel on the CPU executor")
+def test_overrideable_entry_gives_the_cuda_flash_branch_bits_emulated():
+    proc = run_python(EMULATED_FLASH, env={"SUPERCHIP_EMULATE_CUDA_FLASH": "1"})
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count("OK") == 4, proc.stdout
