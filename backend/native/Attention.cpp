@@ -88,6 +88,32 @@ at::Tensor unpad_like(const at::Tensor& padded, const at::Tensor& like) {
   return r;
 }
 
+// Note [Flash's random state through the overrideable entry]
+// CUDA's flash kernel returns its dropout state as one uint64 tensor of two words (seed,
+// offset) and an unused uint64 scalar (older versions: two int64 scalars). The overrideable
+// entry's meta function, which torch.compile checks outputs against, promises two 0-dim
+// tensors. So the two words leave as 0-dim int64 views of that one tensor, and the backward
+// finds them (adjacent views of one storage) and hands the kernel its two-word view again:
+// the same bytes, no copy. The scalar form passes through unchanged both ways.
+std::pair<at::Tensor, at::Tensor> rng_state_to_entry(const at::Tensor& seed, const at::Tensor& offset) {
+  if (seed.defined() && seed.dim() == 1 && seed.numel() == 2 && seed.element_size() == 8) {
+    at::Tensor words = seed.view(at::kLong);
+    return {words.select(0, 0), words.select(0, 1)};
+  }
+  return {seed, offset};
+}
+
+std::pair<at::Tensor, at::Tensor> rng_state_from_entry(const at::Tensor& seed, const at::Tensor& offset) {
+  const bool two_words = seed.defined() && offset.defined() && seed.dim() == 0 && offset.dim() == 0 &&
+                         seed.scalar_type() == at::kLong && offset.scalar_type() == at::kLong &&
+                         seed.has_storage() && offset.has_storage() &&
+                         seed.storage().is_alias_of(offset.storage()) &&
+                         offset.storage_offset() == seed.storage_offset() + 1;
+  if (!two_words) return {seed, offset};
+  // The forward's second output was never read; an uninitialised scalar of its type.
+  return {seed.as_strided({2}, {1}).view(at::kUInt64), at::empty({}, seed.options().dtype(at::kUInt64))};
+}
+
 void check_flash_entry(const char* op, bool has_bias) {
   TORCH_CHECK(!has_bias, op, " on superchip runs CUDA's flash-attention kernel, which takes no attn_bias, "
               "and one was given. Call torch.nn.functional.scaled_dot_product_attention with the mask: it "
@@ -124,8 +150,10 @@ sdpa_overrideable_flash(const at::Tensor& query, const at::Tensor& key, const at
   auto [out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug_mask] =
       at::_scaled_dot_product_flash_attention(pad_head_dim(query), pad_head_dim(key), pad_head_dim(value),
                                               dropout_p, is_causal, return_debug_mask, og_scale);
+  auto [entry_seed, entry_offset] = rng_state_to_entry(seed, offset);
   // Flash attention requires q, k and v to share their head dimension (the selector checks).
-  return {unpad_like(out, query), logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug_mask};
+  return {unpad_like(out, query), logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+          entry_seed, entry_offset, debug_mask};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_overrideable_flash_backward(
@@ -137,11 +165,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_overrideable_fla
     std::optional<double> scale) {
   check_flash_entry("_scaled_dot_product_fused_attention_overrideable_backward", attn_bias.defined());
   const double og_scale = sdp::calculate_scale(query, scale).guard_float(__FILE__, __LINE__);
+  auto [seed, offset] = rng_state_from_entry(philox_seed, philox_offset);
   // Every gradient is computed, whatever grad_input_mask says, as CUDA's flash backward does.
   auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward_symint(
       pad_head_dim(grad_out), pad_head_dim(query), pad_head_dim(key), pad_head_dim(value),
       pad_head_dim(out), logsumexp, cum_seq_q, cum_seq_k, std::move(max_q), std::move(max_k),
-      dropout_p, is_causal, philox_seed, philox_offset, og_scale);
+      dropout_p, is_causal, seed, offset, og_scale);
   return {unpad_like(gq, query), unpad_like(gk, key), unpad_like(gv, value), at::Tensor()};
 }
 

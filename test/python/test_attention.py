@@ -114,11 +114,14 @@ def attention(q, k, v, is_causal, scale):
 def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     calls.append(("forward", q.size(-1), scale))
     out, lse, *_ = attention(q, k, v, is_causal, scale)
+    # The dropout state as CUDA returns it: two uint64 words (seed, offset), an unused scalar.
     return (out, lse, torch.empty(0), torch.empty(0), q.size(2), k.size(2),
-            torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0))
+            torch.tensor([1234, 5678], dtype=torch.uint64), torch.zeros((), dtype=torch.uint64),
+            torch.empty(0))
 
 def flash_backward(g, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, *, scale=None):
-    calls.append(("backward", g.size(-1), out.size(-1), scale, out.clone(), g.clone()))
+    calls.append(("backward", g.size(-1), out.size(-1), scale, out.clone(), g.clone(),
+                  (seed.dtype, tuple(seed.shape), seed.view(torch.int64).tolist())))
     _, _, p, kf, vf, rep = attention(q, k, v, is_causal, scale)
     gf = g.float()
     dp = gf @ vf.transpose(-1, -2)
@@ -158,12 +161,34 @@ for hq, hkv, d, is_causal, scale in [(4, 4, 36, False, None), (4, 4, 64, True, N
         ("forward", padded, expected_scale), ("backward", padded, padded, expected_scale)], (case, calls)
     # The output and its gradient reach the backward zero-padded, as sdpa's branch leaves them.
     assert not calls[1][4][..., d:].any() and not calls[1][5][..., d:].any(), case
+    # The dropout state reaches the backward as the forward returned it (Note [Flash's random
+    # state through the overrideable entry]).
+    assert calls[1][6] == (torch.uint64, (2,), [1234, 5678]), (case, calls[1][6])
     assert out.stride() == leaves[0].stride(), (case, out.stride(), leaves[0].stride())
     assert torch.equal(out.detach().cpu(), want_out.detach()), (case, "output")
     for i, (a, b) in enumerate(zip(grads, want_grads)):
         assert a.stride() == leaves[i].stride(), (case, i, a.stride())
         assert torch.equal(a.cpu(), b), (case, "gradient", i)
     print("OK", case)
+
+# torch.compile checks the entry's outputs against its meta function (two 0-dim dropout words).
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+torch.manual_seed(0)
+q, k, v, g = (torch.randn(2, 4, 16, 36, dtype=torch.bfloat16) for _ in range(4))
+results = []
+for fn in (Attention(), torch.compile(Attention())):
+    calls.clear()
+    leaves = [t.to("superchip").requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    results.append((out.detach().cpu(), [t.cpu() for t in torch.autograd.grad(out, leaves, g.to("superchip"))]))
+    assert [c[0] for c in calls] == ["forward", "backward"], calls
+    assert calls[1][6] == (torch.uint64, (2,), [1234, 5678]), calls[1][6]
+assert torch.equal(results[0][0], results[1][0]), "compiled output"
+assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1])), "compiled gradients"
+print("OK compiled")
 '''
 
 
@@ -171,4 +196,4 @@ for hq, hkv, d, is_causal, scale in [(4, 4, 36, False, None), (4, 4, 64, True, N
 def test_overrideable_entry_gives_the_cuda_flash_branch_bits_emulated():
     proc = run_python(EMULATED_FLASH, env={"SUPERCHIP_EMULATE_CUDA_FLASH": "1"})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count("OK") == 4, proc.stdout
+    assert proc.stdout.count("OK") == 5, proc.stdout
