@@ -6,9 +6,9 @@
 // _scaled_dot_product_flash_attention_for_cpu; CUDA's efficient and cuDNN choices are
 // device-generic branches of sdpa. All are forwarded. CUDA's flash kernel is reachable from a
 // non-CUDA device only through the "overrideable" branch, so that choice is answered
-// `overrideable`, and the two kernels below (registered with the CUDA executor only) run
-// CUDA's flash forward and backward with the head-dim padding sdpa applies on CUDA: the bits
-// of plain CUDA. Thread-safety: any thread.
+// `overrideable`, and the two kernels below (registered with the CUDA executor, and in the
+// emulation below) run CUDA's flash forward and backward with the head-dim padding sdpa
+// applies on CUDA: the bits of plain CUDA. Thread-safety: any thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
