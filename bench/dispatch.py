@@ -6,9 +6,9 @@ Not a test; every figure is a ratio to a baseline measured in the same run.
              torch.optim.AdamW step, loss.item()) on `superchip` and on plain `cpu`; on a
              GPU machine whose executor is CUDA also on plain `cuda`, and `cuda, math sdpa`:
              plain CUDA with scaled_dot_product_attention forced to its math decomposition,
-             which shows what the fused kernel superchip takes too (CUDA's choice) saves. The devices take turns (interleaved
-             repetitions of a few steps each); the median per-step time of each is reported
-             with the ratio superchip / baseline.
+             which shows what CUDA's fused kernel (superchip's choice too) saves. The devices
+             take turns (interleaved repetitions of a few steps each); the median per-step
+             time of each is reported with the ratio superchip / baseline.
   (b) op     The fixed cost of one small op, `a.add_(b)` and `a + b` on 16-element fp32
              tensors, on superchip and on the baseline: microseconds per op and the
              difference, which is the per-op overhead of dispatching through superchip.
