@@ -485,18 +485,89 @@ class SGD(_FusedOptimizer):
 _LINK_MODEL: dict | None = None
 
 
+def cast_side(link: float, exec_cast: float, step_fp32: float, step_bf16: float) -> tuple[float, float, str]:
+    """Seconds per bf16 gradient element with the cast on the executor and on the CPU, and the
+    cheaper side (see link_model). link and exec_cast: bytes of bf16 input per second;
+    step_*: elements per second of the fused step reading fp32 or bf16 gradients."""
+    t_exec = 2 / exec_cast + 4 / link + 1 / step_fp32
+    t_cpu = 2 / link + 1 / step_bf16
+    return t_exec, t_cpu, "executor" if t_exec < t_cpu else "cpu"
+
+
 def link_model() -> dict:
     """The measured link-cost model that decides where a gradient bucket's cast runs.
 
-    Measured once per process on 32 Mi elements (64 MiB of bf16, past the caches): the link (a copy from ``hbm`` into ``host``),
-    the executor's bf16->fp32 cast, and the CPU's. Casting on the executor then moving fp32
-    costs 2n/exec_cast + 4n/link; moving bf16 and casting on the CPU (inside the fused step)
-    costs 2n/link + 2n/cpu_cast. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
-    (``executor`` or ``cpu``) overrides it. Rates are bytes of input per second.
+    A bf16 gradient bucket reaches the CPU step one of two ways: cast to fp32 on the executor
+    and moved (``executor``), or moved as it is and stepped by the fused CPU kernel, which
+    converts while it reads (``cpu``: there is no cast pass of its own). Per element of
+    gradient: ``executor`` costs 2/exec_cast + 4/link + the fused step reading fp32
+    gradients; ``cpu`` costs 2/link + the fused step reading bf16 gradients. Measured once per
+    process, past the caches: the link (a copy of 32 Mi bf16 elements from ``hbm`` into
+    ``host``), the executor's bf16->fp32 cast of them, and the fused AdamW step on the
+    optimizer's threads over 8 Mi elements (bf16 parameters, fp32 master and moments) with
+    each gradient dtype. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
+    (``executor`` or ``cpu``) overrides it. Rates are bytes of bf16 input per second; the
+    step's are elements per second. Either way the snapshot a speculated bucket keeps in
+    ``host`` until ``step()`` is the cast's output: 4 bytes per parameter (``executor``) or 2.
     """
     global _LINK_MODEL
     if _LINK_MODEL is not None:
         return _LINK_MODEL
+    import os
+
+    from . import _C, move_to_tier
+
+    n = 1 << 25
+
+    def best(fn, reps=3):
+        fn()
+        t = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.superchip.synchronize()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    # Private generators: the measurement runs at the first speculation, inside the user's
+    # training, and drawing from the default ones shifted every later dropout mask (the engine
+    # then differed from overlap=False).
+    src = torch.empty(n, dtype=torch.bfloat16, device="superchip")
+    src.uniform_(generator=torch.Generator(device=src.device).manual_seed(0))
+    dst = torch.empty(n, dtype=torch.bfloat16, device="superchip")
+    move_to_tier(dst, "host")
+    link = 2 * n / best(lambda: dst.copy_(src))
+    exec_cast = 2 * n / best(lambda: src.float())
+    del src, dst
+
+    # The fused step as the engine runs it on a bucket of a bf16 model, fed each way.
+    m = 1 << 23
+    gen = torch.Generator().manual_seed(0)
+    g32 = torch.empty(m).uniform_(-1e-3, 1e-3, generator=gen)
+    g16 = g32.bfloat16()
+    param = torch.empty(m).uniform_(-1.0, 1.0, generator=gen).bfloat16()
+    master, exp_avg, exp_avg_sq = param.float(), torch.zeros(m), torch.zeros(m)
+
+    def fused_step(grad):
+        _C._adam_step([param], [grad], [master], [exp_avg], [exp_avg_sq], [None], [1], 1e-6, 0.9,
+                      0.999, 1e-8, 0.0, True, False, False)
+
+    step_fp32 = m / best(lambda: fused_step(g32))
+    step_bf16 = m / best(lambda: fused_step(g16))
+    del g32, g16, param, master, exp_avg, exp_avg_sq
+
+    t_exec, t_cpu, cast_on = cast_side(link, exec_cast, step_fp32, step_bf16)
+    forced = os.environ.get("SUPERCHIP_CAST_ON")
+    if forced:
+        if forced not in ("executor", "cpu"):
+            raise ValueError(f"SUPERCHIP_CAST_ON must be 'executor' or 'cpu', got {forced!r}")
+        cast_on = forced
+    per_gi = (1 << 30) / 2  # bf16 elements in a GiB
+    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast,
+                       step_fp32_grads_per_s=step_fp32, step_bf16_grads_per_s=step_bf16,
+                       seconds_per_gi_cast_on_executor=t_exec * per_gi,
+                       seconds_per_gi_cast_on_cpu=t_cpu * per_gi, cast_on=cast_on)
+    return _LINK_MODEL
     import os
 
     from . import move_to_tier

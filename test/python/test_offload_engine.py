@@ -105,9 +105,24 @@ def _sometimes(i, model):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9 if i % 3 else 1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def _cast_on(monkeypatch, side):
+    """Buckets' casts on `side` (SUPERCHIP_CAST_ON), the link model measured anew."""
+    monkeypatch.setattr(superchip.optim, "_LINK_MODEL", None)
+    if side is None:
+        monkeypatch.delenv("SUPERCHIP_CAST_ON", raising=False)
+    else:
+        monkeypatch.setenv("SUPERCHIP_CAST_ON", side)
+
+
+# A bf16 model's buckets reach the CPU as fp32 snapshots (cast on the executor) or as bf16
+# ones (the fused step converts as it reads): both sides of the link model, every clip case.
+@pytest.mark.parametrize("dtype", [torch.float32, "bf16-cast-on-cpu", "bf16-cast-on-executor"],
+                         ids=["fp32", "bf16-cast-on-cpu", "bf16-cast-on-executor"])
 @pytest.mark.parametrize("clip", [None, 1e9, "sometimes", 1e-3], ids=["noclip", "never", "sometimes", "always"])
-def test_exact_against_plain_step(dtype, clip):
+def test_exact_against_plain_step(monkeypatch, dtype, clip):
+    if dtype != torch.float32:
+        _cast_on(monkeypatch, dtype.rsplit("-", 1)[1])
+        dtype = torch.bfloat16
     clip = _sometimes if clip == "sometimes" else clip
     plain = _train(dtype, False, clip=clip)
     engine = _train(dtype, True, clip=clip)
@@ -742,6 +757,55 @@ def test_the_workers_casts_take_no_block_from_the_pool():
     (plain, _), (engine, speculated) = json.loads(result[len("RESULT "):])
     assert speculated > 0, r.stdout
     assert engine[2:] == plain[2:], r.stdout  # steady state (the first steps plan and allocate state)
+
+
+def test_the_link_model_charges_the_cpu_side_with_the_fused_step():
+    # The CPU's side of a bucket's cast is the fused step reading bf16 gradients (it converts
+    # as it reads), not a cast pass of its own: the old model timed torch's bf16->fp32 cast
+    # (2.1 GB/s on this VM) and so cast on the executor everywhere, moving twice the bytes over
+    # the link and holding twice the host memory, to save a conversion the step does for free.
+    GB = 1e9
+    # NVLink-C2C (450 GB/s), an H100's cast, Grace's step (bf16 gradients: 2 fewer bytes read).
+    t_exec, t_cpu, side = superchip.optim.cast_side(450 * GB, 3000 * GB, 16e9, 17e9)
+    assert side == "cpu" and t_cpu < t_exec
+    assert t_exec == pytest.approx(2 / 3000e9 + 4 / 450e9 + 1 / 16e9)
+    assert t_cpu == pytest.approx(2 / 450e9 + 1 / 17e9)
+    # PCIe (25 GB/s): the CPU side wins by more.
+    assert superchip.optim.cast_side(25 * GB, 3000 * GB, 16e9, 17e9)[2] == "cpu"
+    # A CPU whose conversion is slow (the scalar path at half the rate): the executor casts.
+    assert superchip.optim.cast_side(450 * GB, 3000 * GB, 1e9, 0.5e9)[2] == "executor"
+    lm = superchip.optim.link_model()
+    assert {"step_fp32_grads_per_s", "step_bf16_grads_per_s"} <= set(lm)
+    assert lm["cast_on"] in ("executor", "cpu")
+
+
+def test_bf16_snapshots_take_two_bytes_per_parameter_when_the_cpu_casts(monkeypatch):
+    # Where a bucket's cast runs decides what a speculated bucket keeps in host until the next
+    # backward: its gradients cast to fp32 (4 bytes per parameter) or as they are, bf16 (2),
+    # which the fused step converts as it reads. Asserted from the host tier's statistics
+    # across the first speculated backward (the first step only plans); requested bytes, since
+    # allocated ones depend on which cached blocks the tier reuses.
+    held = {}
+    for side in ("executor", "cpu"):
+        _cast_on(monkeypatch, side)
+        assert superchip.optim.link_model()["cast_on"] == side  # measured here, not in backward
+        model, opt = _make(torch.bfloat16, True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            _, loss = model(_batch(g), _batch(g))
+            torch.superchip.synchronize()
+            before = superchip.memory_stats()["host.requested_bytes"]
+            loss.backward()
+            torch.superchip.synchronize()
+            held[side] = superchip.memory_stats()["host.requested_bytes"] - before
+            opt.step()
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        st = opt.offload_stats()
+        assert st["speculated_buckets"] == st["buckets"] and st["rolled_back_buckets"] == 0, st
+        params = sum(p.numel() for p in model.parameters())
+        del model, opt
+    assert held == {"executor": 4 * params, "cpu": 2 * params}, (held, params)
 
 
 class _Pause(torch.nn.Module):
