@@ -14,13 +14,14 @@
 // come back bit for bit. Keeping a copy of param, exp_avg and exp_avg_sq costs 12 bytes per
 // parameter; inverting the step in fp32 (SuperOffload's inverse Adam) restores about 75% of
 // elements. Here every field is *predicted* from the stepped values by inverting the step's
-// operations in double precision, one rounding at a time where the step rounds twice (param:
-// the update is recomputed exactly from the stepped moments, p1 - update gives the decayed
-// param, dividing by the decay gives the param; exp_avg_sq likewise), and only the residual
-// old - prediction, in units of the last place (modulo 2^32 of the order-preserving integer
-// map ord, so every bit pattern has one), is logged. The prediction depends only on the
-// stepped arrays, the gradient and the hyper-parameters, so adam_undo recomputes it exactly;
-// correctness never depends on how good the prediction is, only the log's size does.
+// operations one at a time (param: the update is recomputed exactly from the stepped
+// moments, p1 - update gives the decayed param, dividing by the decay gives the param;
+// exp_avg_sq: fma(-t, g, v1) gives v0 * beta2 with the product exact, divided by beta2;
+// exp_avg likewise from its lerp), and only the residual old - prediction, in units of the
+// last place (modulo 2^32 of the order-preserving integer map ord, so every bit pattern has
+// one), is logged. The prediction depends only on the stepped arrays, the gradient and the
+// hyper-parameters, so adam_undo recomputes it exactly (the same inline fp32 operations on
+// both sides); correctness never depends on how good the prediction is, only the log's size.
 // The log: one 4-bit code per element and a side stream of zigzag varints, in element order.
 // The code gives exp_avg's and exp_avg_sq's residuals as 0, +1, -1 or "in the side stream"
 // (both moments lose the old value's low bits whenever the gradient term dominates it, by one
@@ -28,25 +29,22 @@
 // both miss, takes the one escape code: all three residuals in the side stream (param,
 // exp_avg_sq, exp_avg). param_lowp is round(param) unless the element's param entry carries
 // a flag, followed by its 2 old bytes.
-// Measured on Adam-shaped data (noise-dominated gradients, step 20 on): param and exp_avg_sq
-// predictions exact for 96-99.6% of elements, exp_avg 71% exact and 21% off by one, so the
-// log holds about 0.6 bytes per element (0.5 of codes). Young second moments log more (each
-// side entry is 1-5 bytes): at step 2 exp_avg_sq is one gradient's square, mostly lost in the
-// second's, 1.1-1.2 bytes per element; then 0.8 at step 3, and on a bf16 HF Llama's real
-// gradients 0.85 at step 7 (1.08 with the earlier layout, which sent every exp_avg_sq miss,
-// +-1 included, to the side stream), 0.58-0.6 from step 10.
-// Speed: the predictions, residuals and codes are computed a block at a time in plain loops
-// over arrays that the compiler vectorizes (one clone per x86 ISA level, picked at load
-// time); divisions by constants are multiplications by their double reciprocals (a
-// prediction only has to be close; recording and undo compute it identically). The side
-// entries are written and read in a scalar pass that visits only the elements that have
-// them (a bit mask per 64 elements); the step itself runs on blocks of kBlock elements whose
-// old values are kept in stack buffers, so the extra reads hit the cache. The codes are
-// computed with bit operations only (a select chain there did not vectorize: recording 25%
-// slower). Measured on one core of a 2-core Xeon VM (AVX-512; 16M elements, AdamW, step 20):
-// recording 4.6x the plain step's time with fp32 gradients, 4.8-5.1x with bf16 gradients and
-// param_lowp (the earlier layout: 4.4x and 4.6-4.8x in the same runs), undo 3.5x and 4.2-4.6x
-// (it parses the side stream twice: validation, then restore).
+// Measured on Adam-shaped data (noise-dominated gradients, step 20 on), about 0.62 bytes per
+// element (0.5 of codes). Young second moments log more (each side entry is 1-5 bytes): at
+// step 2 exp_avg_sq is one gradient's square, mostly lost in the second's, about 1.2 bytes
+// per element; then 0.84 at step 3, 0.64 at step 10 (test/cpp/ops/adam_undo_test.cpp prints
+// them). Predictions in double precision logged 2-7% less (0.61 at step 30) at twice the
+// recording's time.
+// Speed: the recording is one vectorized pass per block of kBlock elements: the step itself
+// (adam_block's operations, StepLoop.h, so the bits of every SIMD path; the old values stay
+// in registers) and each field's prediction, residual and code (one clone per x86 ISA level,
+// picked at load time; the flags are bit-mask selects, since an invariant condition in the
+// loop stops GCC's vectorizer). The side entries are then written in a scalar pass that visits
+// only the elements that have them (a bit mask per 64 elements). Measured on one core of a
+// 2-core Xeon VM (AVX-512; 16M elements, AdamW, step 20): recording 2.4x the plain step's
+// time with fp32 gradients, 3.4x with bf16 gradients and a bf16 param_lowp (the earlier
+// layout, the kernel's step then separate prediction passes in double: 4.8x and 5.2x in the
+// same runs); undo 3.4x and 4.4x (it parses the side stream twice: validation, then restore).
 // Fields are restored in the order param, param_lowp, exp_avg, exp_avg_sq: the param
 // prediction needs only the stepped exp_avg and exp_avg_sq, and the exp_avg prediction of L2
 // Adam needs the restored param (g + wd * p).
@@ -74,9 +72,15 @@ constexpr int64_t kMaxSideBytes = 17;
 #else
 #define SUPERCHIP_UNDO_CLONES
 #endif
+// The per-element pieces are inlined into every clone (a call in a loop stops the vectorizer).
+#if defined(__GNUC__)
+#define SUPERCHIP_UNDO_INLINE inline __attribute__((always_inline))
+#else
+#define SUPERCHIP_UNDO_INLINE inline
+#endif
 
 // A monotone map of float bits to integers that keeps -0 and +0 apart (fits in int32).
-inline int32_t ord(uint32_t bits) {
+SUPERCHIP_UNDO_INLINE int32_t ord(uint32_t bits) {
   const int32_t sign = static_cast<int32_t>(bits) >> 31;
   return static_cast<int32_t>(bits & 0x7FFFFFFFu) ^ sign;
 }
@@ -86,7 +90,7 @@ inline uint32_t unord(int32_t o) {
   return static_cast<uint32_t>(o ^ sign) | (static_cast<uint32_t>(sign) & 0x80000000u);
 }
 
-inline uint32_t bits_at(const float* x, int64_t j) {
+SUPERCHIP_UNDO_INLINE uint32_t bits_at(const float* x, int64_t j) {
   uint32_t u;
   std::memcpy(&u, x + j, sizeof u);
   return u;
@@ -102,32 +106,75 @@ uint16_t round_lowp(float x, DType d) {
   return d == DType::kBF16 ? float_to_bf16(x) : float_to_fp16(x);
 }
 
-// The step's constants, plus the reciprocals the predictions multiply by.
+// The step's constants, plus those the predictions use: a prediction inverts one step
+// operation at a time in fp32, each inversion one FMA (exact product, one rounding) or one
+// division (correctly rounded; reciprocals logged 5% more).
 struct Predictor {
   detail::AdamScalars s;
-  double inv_decay, c, inv_one_minus_c, one_plus_c, inv_c, inv_beta2;
+  float ka, kb, kd;  // exp_avg's prediction: fma(ka, g, kb * m1) / kd, either lerp form
+  float decay;       // AdamW's decay factor, 1 for Adam (x / 1 is x)
 
   explicit Predictor(const detail::AdamScalars& sc) : s(sc) {
-    inv_decay = 1.0 / static_cast<double>(s.decay_mul);
-    c = s.lerp_coef;
-    inv_one_minus_c = 1.0 / (1.0 - c);
-    one_plus_c = 1.0 + c;
-    inv_c = 1.0 / c;
-    inv_beta2 = 1.0 / static_cast<double>(s.beta2);
+    decay = s.decoupled ? s.decay_mul : 1.0f;
+    const double c = s.lerp_coef;
+    if (s.lerp_small) {  // m1 = m0 + c (g - m0): m0 = (m1 - c g) / (1 - c)
+      ka = static_cast<float>(-c);
+      kb = 1.0f;
+      kd = static_cast<float>(1.0 - c);
+    } else {  // m1 = g + c (g - m0): m0 = ((1 + c) g - m1) / c
+      ka = static_cast<float>(1.0 + c);
+      kb = -1.0f;
+      kd = static_cast<float>(c);
+    }
   }
 };
 
-// Snaps a prediction to zero when it is rounding residue of the terms it came from.
-inline float snap(double pred, double scale) {
-  const float f = static_cast<float>(pred);  // unconditionally, so the select vectorizes
-  return std::fabs(pred) <= std::fabs(scale) * 0x1p-21 ? 0.0f : f;
+// Per-element pieces, inlined into the recording's fused loop and the undo's block loops
+// alike: the same IEEE operations in both, so the undo recomputes the recording's
+// predictions bit for bit (a prediction only has to be close; that both sides compute the
+// same one is what matters).
+
+// The step's update from the stepped moments: adam_block's operations (StepLoop.h).
+SUPERCHIP_UNDO_INLINE float step_update(const detail::AdamScalars& s, float m1, float v1) {
+  const float denom = std::sqrt(v1) / s.bc2_sqrt + s.eps;
+  return (s.neg_step_size * m1) / denom;
 }
 
-// max(|m|, |cg|) without fmax's NaN rules (a select the vectorizer takes); NaN inputs only
-// make the prediction miss, which the side stream covers.
-inline double larger_abs(float m, double cg) {
-  const double am = std::fabs(static_cast<double>(m)), ac = std::fabs(cg);
-  return am > ac ? am : ac;
+// The old param: p1 - update undoes the addition's rounding, the division by the decay the
+// multiplication's (a division, not a reciprocal: a param that misses escapes).
+SUPERCHIP_UNDO_INLINE float predict_param(const Predictor& pr, float p1, float upd) {
+  return (p1 - upd) / pr.decay;
+}
+
+// A prediction snapped to zero when r, its numerator, is rounding residue of terms of size
+// `scale`.
+SUPERCHIP_UNDO_INLINE float snap(float r, float scale, float pred) {
+  return std::fabs(r) <= scale * 0x1p-21f ? 0.0f : pred;
+}
+
+// The old exp_avg from the stepped one and the used gradient. The scale is max(|m1|, |c g|)
+// as a select (fmax's NaN rules do not vectorize); NaN inputs only make the prediction miss,
+// which the side stream covers.
+SUPERCHIP_UNDO_INLINE float predict_exp_avg(const Predictor& pr, float m1, float g) {
+  const float r = std::fma(pr.ka, g, pr.kb * m1);
+  const float am = std::fabs(m1), ac = std::fabs(pr.s.lerp_coef * g);
+  return snap(r, am > ac ? am : ac, r / pr.kd);
+}
+
+// The old exp_avg_sq: the step computes fma(t, g, v0 * beta2) with t = (1 - beta2) * g, so
+// fma(-t, g, v1) gives v0 * beta2 (t * g exact inside the FMA), divided by beta2 v0.
+SUPERCHIP_UNDO_INLINE float predict_exp_avg_sq(const Predictor& pr, float v1, float g) {
+  const float t = pr.s.one_minus_beta2 * g;
+  const float r = std::fma(-t, g, v1);
+  return snap(r, std::fabs(v1), r / pr.s.beta2);
+}
+
+// old - pred in units of the last place, modulo 2^32 (so every pair of bit patterns has one).
+SUPERCHIP_UNDO_INLINE int32_t residual(float old, float pred) {
+  uint32_t o, p;
+  std::memcpy(&o, &old, sizeof o);
+  std::memcpy(&p, &pred, sizeof p);
+  return static_cast<int32_t>(static_cast<uint32_t>(ord(o)) - static_cast<uint32_t>(ord(p)));
 }
 
 // The gradient of [b, b + k) as fp32.
@@ -147,22 +194,11 @@ void load_grad(const AdamArrays& a, int64_t b, int64_t k, float* out) {
   }
 }
 
-// The old param predicted from the stepped param, exp_avg and exp_avg_sq: the update is the
-// step's own (same fp32 operations), p1 - update undoes the addition's rounding and the
-// division by the decay the multiplication's.
+// The old params of a block, from the stepped param, exp_avg and exp_avg_sq (undo).
 SUPERCHIP_UNDO_CLONES
-void predict_param(const Predictor& pr, int64_t k, const float* __restrict p1, const float* __restrict m1,
-                   const float* __restrict v1, float* __restrict out) {
-  const float bc2 = pr.s.bc2_sqrt, eps = pr.s.eps, nss = pr.s.neg_step_size;
-  for (int64_t j = 0; j < k; ++j) {
-    const float denom = std::sqrt(v1[j]) / bc2 + eps;
-    const float upd = (nss * m1[j]) / denom;
-    out[j] = static_cast<float>(static_cast<double>(p1[j]) - static_cast<double>(upd));
-  }
-  if (pr.s.decoupled) {
-    const double inv_decay = pr.inv_decay;
-    for (int64_t j = 0; j < k; ++j) out[j] = static_cast<float>(static_cast<double>(out[j]) * inv_decay);
-  }
+void predict_params(const Predictor& pr, int64_t k, const float* __restrict p1, const float* __restrict m1,
+                    const float* __restrict v1, float* __restrict out) {
+  for (int64_t j = 0; j < k; ++j) out[j] = predict_param(pr, p1[j], step_update(pr.s, m1[j], v1[j]));
 }
 
 // The gradient as the kernel used it: sign flipped when maximizing, L2 term added (needs the
@@ -179,42 +215,17 @@ void used_grad(const Predictor& pr, int64_t k, float* __restrict g, const float*
   }
 }
 
-// The old exp_avg and exp_avg_sq predicted from the stepped ones and the used gradient.
-// exp_avg_sq = fma(t, g, v0 * beta2) with t = (1 - beta2) * g: v1 - t * g (t * g is exact in
-// double) gives v0 * beta2, the division by beta2 gives v0.
+// The old exp_avg and exp_avg_sq of a block, from the stepped ones and the used gradient (undo).
 SUPERCHIP_UNDO_CLONES
 void predict_moments(const Predictor& pr, int64_t k, const float* __restrict m1, const float* __restrict v1,
                      const float* __restrict g, float* __restrict pm, float* __restrict pv) {
-  const double c = pr.c, a1 = pr.inv_one_minus_c, a2 = pr.one_plus_c, a3 = pr.inv_c, ib2 = pr.inv_beta2;
-  const float omb2 = pr.s.one_minus_beta2;
-  if (pr.s.lerp_small) {
-    for (int64_t j = 0; j < k; ++j) {
-      const double cg = c * g[j];
-      pm[j] = snap((static_cast<double>(m1[j]) - cg) * a1, larger_abs(m1[j], cg));
-    }
-  } else {
-    for (int64_t j = 0; j < k; ++j) {
-      const double cg = c * g[j];
-      pm[j] = snap((a2 * g[j] - static_cast<double>(m1[j])) * a3, larger_abs(m1[j], cg));
-    }
-  }
   for (int64_t j = 0; j < k; ++j) {
-    const double t = static_cast<double>(omb2 * g[j]) * static_cast<double>(g[j]);
-    const float r = snap(static_cast<double>(v1[j]) - t, v1[j]);
-    pv[j] = static_cast<float>(static_cast<double>(r) * ib2);
+    pm[j] = predict_exp_avg(pr, m1[j], g[j]);
+    pv[j] = predict_exp_avg_sq(pr, v1[j], g[j]);
   }
 }
 
-// old - pred in units of the last place, modulo 2^32 (so every pair of bit patterns has one).
-SUPERCHIP_UNDO_CLONES
-void residuals(int64_t k, const float* __restrict old, const float* __restrict pred, int32_t* __restrict r) {
-  for (int64_t j = 0; j < k; ++j) {
-    r[j] = static_cast<int32_t>(static_cast<uint32_t>(ord(bits_at(old, j))) -
-                                static_cast<uint32_t>(ord(bits_at(pred, j))));
-  }
-}
-
-// The inverse of residuals: old = pred + r.
+// The inverse of residual(): old = pred + r.
 SUPERCHIP_UNDO_CLONES
 void apply_residuals(int64_t k, const float* __restrict pred, const int32_t* __restrict r, float* __restrict out) {
   for (int64_t j = 0; j < k; ++j) {
@@ -225,7 +236,7 @@ void apply_residuals(int64_t k, const float* __restrict pred, const int32_t* __r
 
 // One field's two code bits for residual r: kZero, kPlus, kMinus or kSide (bit operations only,
 // so the loops below vectorize).
-inline uint32_t field_code(int32_t r) {
+SUPERCHIP_UNDO_INLINE uint32_t field_code(int32_t r) {
   const uint32_t big = static_cast<uint32_t>(r) + 1u > 2u;  // |r| > 1
   return static_cast<uint32_t>(r == 1) | (static_cast<uint32_t>(r == -1) << 1) | (big * kSide);
 }
@@ -235,17 +246,47 @@ inline uint8_t has_side(uint8_t c) {
   return static_cast<uint8_t>(((c & kSide) == kSide) | ((c >> kVarShift) == kSide));
 }
 
-// Each element's code, and side[j] != 0 when it has side entries.
+// One element's code from its residuals (bit operations only, so the loop vectorizes);
+// *side != 0 when it has side entries.
+SUPERCHIP_UNDO_INLINE uint8_t element_code(int32_t rp, uint8_t lowp_off, int32_t rv, int32_t rm, uint8_t* side) {
+  const uint32_t escape = 0u - static_cast<uint32_t>((rp != 0) | (lowp_off != 0));  // all ones
+  const uint32_t v = field_code(rv), m = field_code(rm);
+  *side = static_cast<uint8_t>((v == kSide) | (m == kSide) | (escape & 1u));
+  return static_cast<uint8_t>(((v << kVarShift) | m | escape) & kEscape);
+}
+
+// The recorded step of a block, in one pass: adam_block's operations (StepLoop.h: the same
+// IEEE operations in the same order, so the same bits as every SIMD path), then, from the
+// values still in registers, each field's prediction, residual and code. `g` is the
+// gradient as stored (sign and L2 term applied here); p, m, v are stepped in place.
 SUPERCHIP_UNDO_CLONES
-void make_codes(int64_t k, const int32_t* __restrict rp, const uint8_t* __restrict lowp_off,
-                const int32_t* __restrict rv, const int32_t* __restrict rm, uint8_t* __restrict code,
-                uint8_t* __restrict side) {
+void step_and_record(const Predictor& pr, int64_t k, float* __restrict p, float* __restrict m,
+                     float* __restrict v, const float* __restrict g, const uint8_t* __restrict lowp_off,
+                     int32_t* __restrict rp, int32_t* __restrict rm, int32_t* __restrict rv,
+                     uint8_t* __restrict code, uint8_t* __restrict side) {
+  // Loop invariants as locals, and the flags as bit masks of selects (an invariant condition
+  // left in the loop stops GCC's vectorizer).
+  const uint32_t sign_mask = pr.s.sign_mask;
+  const uint32_t l2 = pr.s.l2 ? ~0u : 0u, small = pr.s.lerp_small ? ~0u : 0u;
+  const float decay = pr.s.decoupled ? pr.s.decay_mul : 1.0f;  // p * 1 is p (a NaN stays NaN)
+  const float wd = pr.s.wd, lerp_coef = pr.s.lerp_coef;
+  const float one_minus_beta2 = pr.s.one_minus_beta2, beta2 = pr.s.beta2;
   for (int64_t j = 0; j < k; ++j) {
-    const uint32_t escape = 0u - static_cast<uint32_t>((rp[j] != 0) | (lowp_off[j] != 0));  // all ones
-    const uint32_t v = field_code(rv[j]), m = field_code(rm[j]);
-    const uint32_t c = ((v << kVarShift) | m | escape) & kEscape;
-    code[j] = static_cast<uint8_t>(c);
-    side[j] = static_cast<uint8_t>((v == kSide) | (m == kSide) | (escape & 1u));
+    const float p0 = p[j], m0 = m[j], v0 = v[j];
+    const uint32_t g0 = bits_at(g, j) ^ sign_mask;
+    const float pd = p0 * decay;
+    const float gu = bits_float((float_bits(std::fma(p0, wd, bits_float(g0))) & l2) | (g0 & ~l2));
+    const float m1 = std::fma(lerp_coef, gu - m0, bits_float((float_bits(m0) & small) | (float_bits(gu) & ~small)));
+    const float v1 = std::fma(one_minus_beta2 * gu, gu, v0 * beta2);
+    const float upd = step_update(pr.s, m1, v1);
+    const float p1 = pd + upd;
+    p[j] = p1;
+    m[j] = m1;
+    v[j] = v1;
+    rp[j] = residual(p0, predict_param(pr, p1, upd));
+    rm[j] = residual(m0, predict_exp_avg(pr, m1, gu));
+    rv[j] = residual(v0, predict_exp_avg_sq(pr, v1, gu));
+    code[j] = element_code(rp[j], lowp_off[j], rv[j], rm[j], side + j);
   }
 }
 
@@ -379,6 +420,10 @@ void check_undo_args(const char* fn, const AdamHyper& h) {
 
 void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path, AdamUndoLog* log) {
   check_undo_args("adam_step_recording", h);
+  if (!simd_path_supported(path)) {
+    throw std::invalid_argument(std::string("adam_step_recording: SIMD path ") + simd_path_name(path) +
+                                " is not supported on this CPU or build");
+  }
   if (log == nullptr) throw std::invalid_argument("adam_step_recording: log is null");
   detail::check_adam_args(h, a);
   log->n = a.n;
@@ -387,7 +432,7 @@ void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path,
   log->side.clear();
   const Predictor pr(detail::adam_scalars(h));
   const bool lowp = a.param_lowp != nullptr;
-  float p0[kBlock], m0[kBlock], v0[kBlock], g[kBlock], pp[kBlock], pm[kBlock], pv[kBlock];
+  float g[kBlock];
   int32_t rp[kBlock], rm[kBlock], rv[kBlock];
   uint16_t l0[kBlock];
   uint8_t code[kBlock], side[kBlock], lowp_off[kBlock];
@@ -395,35 +440,25 @@ void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path,
   if (!lowp) std::memset(lowp_off, 0, sizeof lowp_off);
   for (int64_t b = 0; b < a.n; b += kBlock) {
     const int64_t k = std::min(kBlock, a.n - b);
-    const size_t fb = static_cast<size_t>(k) * sizeof(float);
-    std::memcpy(p0, a.param + b, fb);
-    std::memcpy(m0, a.exp_avg + b, fb);
-    std::memcpy(v0, a.exp_avg_sq + b, fb);
-    if (lowp) std::memcpy(l0, static_cast<const uint16_t*>(a.param_lowp) + b, k * sizeof(uint16_t));
-    AdamArrays blk = a;
-    blk.param += b;
-    blk.exp_avg += b;
-    blk.exp_avg_sq += b;
-    blk.grad = static_cast<const char*>(a.grad) + b * (a.grad_dtype == DType::kF32 ? 4 : 2);
-    if (lowp) blk.param_lowp = static_cast<uint16_t*>(a.param_lowp) + b;
-    blk.n = k;
-    adam_step(h, blk, path, nullptr);
-
-    predict_param(pr, k, a.param + b, a.exp_avg + b, a.exp_avg_sq + b, pp);
+    float* const pb = a.param + b;
+    uint16_t* const lb = lowp ? static_cast<uint16_t*>(a.param_lowp) + b : nullptr;
     load_grad(a, b, k, g);
-    used_grad(pr, k, g, p0);
-    predict_moments(pr, k, a.exp_avg + b, a.exp_avg_sq + b, g, pm, pv);
-    residuals(k, p0, pp, rp);
-    residuals(k, m0, pm, rm);
-    residuals(k, v0, pv, rv);
-    if (lowp) {
+    if (lowp) {  // whether param_lowp is the old param's rounding, before the step
+      std::memcpy(l0, lb, static_cast<size_t>(k) * sizeof(uint16_t));
       if (a.lowp_dtype == DType::kBF16) {
-        for (int64_t j = 0; j < k; ++j) lowp_off[j] = bf16_round(bits_at(p0, j)) != l0[j];
+        for (int64_t j = 0; j < k; ++j) lowp_off[j] = bf16_round(bits_at(pb, j)) != l0[j];
       } else {
-        for (int64_t j = 0; j < k; ++j) lowp_off[j] = round_lowp(p0[j], a.lowp_dtype) != l0[j];
+        for (int64_t j = 0; j < k; ++j) lowp_off[j] = round_lowp(pb[j], a.lowp_dtype) != l0[j];
       }
     }
-    make_codes(k, rp, lowp_off, rv, rm, code, side);
+    step_and_record(pr, k, pb, a.exp_avg + b, a.exp_avg_sq + b, g, lowp_off, rp, rm, rv, code, side);
+    if (lowp) {  // the stepped param's rounding, as the kernels store it
+      if (a.lowp_dtype == DType::kBF16) {
+        for (int64_t j = 0; j < k; ++j) lb[j] = bf16_round(bits_at(pb, j));
+      } else {
+        for (int64_t j = 0; j < k; ++j) lb[j] = round_lowp(pb[j], a.lowp_dtype);
+      }
+    }
     pack_codes(k, code, log->codes.data() + b / 2);  // b is even: blocks start on a byte
 
     // The side entries, in element order: param (with the param_lowp flag and bits), then
@@ -487,7 +522,7 @@ void adam_undo(const AdamHyper& h, const AdamArrays& a, const AdamUndoLog& log) 
     code_residuals(k, code, rp, rv, rm);
     std::memset(lowp_off, 0, static_cast<size_t>(k));
     read_side(k, code, side, lowp, in, rp, rv, rm, lowp_off, lraw);
-    predict_param(pr, k, a.param + b, a.exp_avg + b, a.exp_avg_sq + b, pp);
+    predict_params(pr, k, a.param + b, a.exp_avg + b, a.exp_avg_sq + b, pp);
     apply_residuals(k, pp, rp, p0);
     if (lowp) {
       if (a.lowp_dtype == DType::kBF16) {

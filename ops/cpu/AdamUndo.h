@@ -28,7 +28,8 @@ struct AdamUndoLog {
   int64_t bytes() const { return static_cast<int64_t>(codes.capacity() + side.capacity()); }
 };
 
-// Steps `a` in place exactly as adam_step(h, a, path) does (same bits) and replaces `*log`
+// Steps `a` in place exactly as adam_step(h, a, path) does (the same bits, which every path
+// gives; the step runs in the recording's own vectorized loop) and replaces `*log`
 // with what adam_undo needs. Throws std::invalid_argument for amsgrad, a null log, or the
 // arguments adam_step rejects (nothing is stepped then).
 void adam_step_recording(const AdamHyper& h, const AdamArrays& a, SimdPath path, AdamUndoLog* log);
