@@ -48,8 +48,9 @@ def speculation_policy() -> str:
 
 # Note [Speculation budget]
 # A speculative step costs the worker far more than the plain step: recording the undo log
-# (ops/cpu/AdamUndo.cpp) takes 4.6-5x the plain step's CPU time (2-core Xeon VM; 6.7x was
-# measured on a 2-core EPYC VM with an earlier build). That is free while the
+# (ops/cpu/AdamUndo.cpp) takes 2.4-3.4x the plain step's CPU time on one core (2-core Xeon
+# VM; 4.6-5x before the recording became one pass, 6.7x on a 2-core EPYC VM with an earlier
+# build). That is free while the
 # worker would idle through backward anyway, and a loss once it is not: speculative work still
 # queued at step() runs before the steps the next forward needs first (the first layers, which
 # backward finishes last), and the optimizer is the bottleneck whenever backward is short next
@@ -72,7 +73,7 @@ def speculation_policy() -> str:
 # and steps the others, each bucket bit for bit as the plain step does.
 # Before any of that: speculation only pays where the asynchronous step alone would leave the
 # next forward waiting. Where the forward is long next to the plain step (compute-bound
-# training), stepping every bucket at step() hides it all, and speculating would spend 4-7x
+# training), stepping every bucket at step() hides it all, and speculating would spend 2.4-3.4x
 # the CPU time for nothing (bench/offload.py, demo GPT, 2-core Xeon VM: speculating, the worker
 # spent 33 ms a step and 86% of the plain step's 5.6 ms was hidden; lean, 4.6 ms and 97%; on
 # a GPU machine that CPU time is the data loader's and the host copies'). So `auto` starts

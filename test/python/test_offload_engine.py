@@ -834,7 +834,8 @@ class _Pause(torch.nn.Module):
 
 def _train_budget(overlap, steps=8, first=None, pause=None):
     # Five Linear(2048) at batch 1: backward computes almost nothing, so a speculative step
-    # (about 4-7x the plain step's CPU time: 15-65 ms per layer here) cannot end before
+    # (2.4-3.4x the plain step's CPU time; 4-7x, 15-65 ms per layer, before the recording
+    # became one pass) cannot end before
     # step() unless backward is still busy elsewhere. The pause after the first layer gives the
     # four layers backward finishes first its seconds; the first layer's gradient comes last, with
     # nothing left to do but step(). The forward computes almost nothing either, so the plain
@@ -911,7 +912,7 @@ class _ForwardPause(torch.nn.Module):
 
 def test_a_forward_that_hides_the_plain_step_speculates_nothing(monkeypatch):
     # Note [Speculation budget]: where the next forward is long enough to hide the asynchronous
-    # step, speculating costs 4-7x the CPU time and hides nothing more (demo GPT, 2-core VM:
+    # step, speculating costs 2.4-3.4x the CPU time and hides nothing more (demo GPT, 2-core VM:
     # the worker's 33 ms a step speculating, 4.6 ms lean, more of it hidden). A 0.3 s forward before the
     # first layer: the engine stays lean, every step, under `auto`; `always` still speculates.
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "auto")
