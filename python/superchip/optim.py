@@ -508,7 +508,8 @@ def link_model() -> dict:
     each gradient dtype. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
     (``executor`` or ``cpu``) overrides it. Rates are bytes of bf16 input per second; the
     step's are elements per second. Either way the snapshot a speculated bucket keeps in
-    ``host`` until ``step()`` is the cast's output: 4 bytes per parameter (``executor``) or 2.
+    ``host`` (until the next backward) is the cast's output: 4 bytes per parameter
+    (``executor``) or 2.
     """
     global _LINK_MODEL
     if _LINK_MODEL is not None:
