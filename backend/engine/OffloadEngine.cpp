@@ -2,6 +2,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -34,6 +35,15 @@
 //
 // Jobs run under the ThreadLocalState of the thread that submitted them, so the profiler's
 // callbacks follow them onto the worker and their `superchip::...` ranges show up in traces.
+
+// Note [Engine jobs and Python modes]
+// That state also carries the submitter's TorchDispatchMode stack (a FlopCounterMode, a
+// logging mode, FakeTensorMode) around `loss.backward()` or `opt.step()`. Under it, the ATen
+// operations a job runs on executor aliases (the snapshot's cast and copy, validation's
+// `equal`, a strided write-back) went to the mode's Python __torch_dispatch__, on the worker:
+// the user's mode saw our internal copies, on a thread it did not expect, and the worker took
+// the GIL for each, which the Note above forbids. A job excludes the Python dispatch keys: the
+// modes see what the plain step shows them (the plain step runs no operator a mode sees).
 
 // Note [Engine jobs and GPU streams]
 // Under the CUDA executor a job's CPU work reads what GPU kernels wrote (gradients, from
@@ -90,6 +100,9 @@ void OffloadEngine::wrap(EngineJob& job) {
   const char* name = job.name;
   job.run = [tls, body = std::move(body), name] {
     at::ThreadLocalStateGuard tls_guard(*tls);
+    // Not the user's Python dispatch modes (Note [Engine jobs and Python modes]).
+    c10::impl::ExcludeDispatchKeyGuard no_python_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
     RECORD_FUNCTION(name, std::vector<c10::IValue>());
     body();
   };

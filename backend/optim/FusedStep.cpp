@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -268,11 +269,16 @@ std::vector<Item> items_of(const std::vector<Arrays>& arrays) {
   return cut(sizes);
 }
 
-// Cuts every parameter into chunks and runs step(item, chunk) over the pool.
+// The superchip device of a step's parameters (-1 when there are none).
+c10::DeviceIndex device_of(const std::vector<at::Tensor>& params) {
+  return params.empty() ? c10::DeviceIndex(-1) : params.front().device().index();
+}
+
+// Cuts every parameter into chunks and runs step(item, chunk) over the pool of `device`'s node.
 template <typename Arrays, typename StepFn>
-void run_chunked(const std::vector<Arrays>& arrays, const StepFn& step) {
+void run_chunked(c10::DeviceIndex device, const std::vector<Arrays>& arrays, const StepFn& step) {
   const std::vector<Item> items = items_of(arrays);
-  optimizer_pool().parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  optimizer_pool(device).parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Item& it = items[k];
       step(it, k, slice(arrays[it.tensor], it.begin, it.end));
@@ -291,12 +297,13 @@ ops::ThreadPool* g_pool = nullptr;
 
 }  // namespace
 
-ops::ThreadPool& optimizer_pool() {
+ops::ThreadPool& optimizer_pool(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   if (g_pool == nullptr) {
     const Topology& topo = Topology::get();
-    const NumaNode& node = topo.nodes()[topo.nearest_node(
-        cuda_pci_bus_id(executor() == Executor::kCuda ? current_device() : -1))];
+    int gpu = -1;
+    if (executor() == Executor::kCuda) gpu = executor_device(device < 0 ? current_device() : device).index();
+    const NumaNode& node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(gpu))];
     int threads = static_cast<int>(node.cpus.size());
     if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS")) {
       const int v = std::atoi(env);
@@ -386,7 +393,23 @@ std::vector<ops::SgdArrays> bind_sgd(const SgdGroup& g, const ops::SgdHyper& hyp
 
 }  // namespace
 
+// Note [The step's operators and Python modes]
+// A step called from Python (the plain step, the tail buckets' executor step) runs ATen
+// operators of its own: staging hbm operands into pinned host memory and writing them back
+// (HostOperand, ExecutorOperand), casts. Called outside the dispatcher, it runs under the
+// caller's TorchDispatchMode, which saw those copies as the user's (found by
+// test_a_users_dispatch_mode_sees_what_the_plain_step_shows_it, with staged operands). They
+// are ours: every entry point excludes the Python dispatch keys, as the engine's jobs do
+// (Note [Engine jobs and Python modes] in engine/OffloadEngine.cpp).
+namespace {
+struct HiddenFromPythonModes {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
+};
+}  // namespace
+
 void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* record) {
+  const HiddenFromPythonModes hidden;
   std::vector<HostOperand> operands;
   const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
   if (record) {
@@ -394,7 +417,7 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* rec
     record->chunks.assign(items_of(arrays).size(), {});
   }
   const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
     ops::AdamHyper h = hyper;
     h.step = g.steps[it.tensor];
     if (record) {
@@ -407,11 +430,12 @@ void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* rec
 }
 
 void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log) {
+  const HiddenFromPythonModes hidden;
   std::vector<HostOperand> operands;
   const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
   TORCH_CHECK(log.chunks.size() == items_of(arrays).size(),
               "superchip.optim: internal error: undo log does not match its bucket");
-  run_chunked(arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
     ops::AdamHyper h = hyper;
     h.step = g.steps[it.tensor];
     ops::adam_undo(h, chunk, log.chunks[k]);
@@ -420,10 +444,11 @@ void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLog
 }
 
 void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
+  const HiddenFromPythonModes hidden;
   std::vector<HostOperand> operands;
   const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
   const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
+  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
     ops::SgdHyper h = hyper;
     h.first_step = g.first_steps[it.tensor];
     ops::sgd_step(h, chunk, path, nullptr);
@@ -446,6 +471,7 @@ struct ExecutorDeviceScope {
 #endif
 
 void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) {
+  const HiddenFromPythonModes hidden;
   if (executor() != Executor::kCuda) return fused_adam_step(g, hyper);
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
   const ExecutorDeviceScope device_scope(g.params);
@@ -464,6 +490,7 @@ void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) 
 }
 
 void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream) {
+  const HiddenFromPythonModes hidden;
   if (executor() != Executor::kCuda) return fused_sgd_step(g, hyper);
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
   const ExecutorDeviceScope device_scope(g.params);

@@ -62,8 +62,12 @@ void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream);
 namespace ops {
 class ThreadPool;
 }
-// The optimizer's thread pool (created on first use), pinned to the GPU-local NUMA node.
-ops::ThreadPool& optimizer_pool();
+// The optimizer's thread pool, created on first use and pinned to the NUMA node nearest the
+// GPU of superchip device `device` (-1: the calling thread's current device). The first use
+// decides: steps run on the engine's worker, whose current device is 0 whatever the training
+// thread set, so the step paths pass their parameters' device (a rank of torchrun on
+// superchip:3 pins to GPU 3's node, not GPU 0's). One pool per process.
+ops::ThreadPool& optimizer_pool(c10::DeviceIndex device = -1);
 // In a forked child (Note [Fork] in register/Fork.cpp): forget the parent's pool, whose workers
 // the child lacks; the next optimizer_pool() makes a new one.
 void optimizer_pool_after_fork_child();

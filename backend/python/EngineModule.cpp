@@ -167,19 +167,27 @@ void bind_engine(py::module& m) {
   });
   // Compiled graphs read data_ptr() directly, past the dispatcher's check (Forward.cpp): the
   // Inductor wrapper calls this with its inputs first (python/superchip/_inductor/codegen.py).
+  // The waits run without the GIL, as _engine_wait does: a job may need it (a CUDA allocation
+  // under torch.cuda.memory._record_memory_history takes it to record the Python stack).
   m.def("_engine_wait_inputs", [](py::args args) {
-    OffloadEngine& e = OffloadEngine::get();
-    WeightStreamer& streamer = WeightStreamer::get();
-    const bool streaming = streamer.active();
+    // Raw pointers: `args` keeps their tensors, so the storages, alive through the call.
+    std::vector<c10::StorageImpl*> storages;
     for (const py::handle a : args) {
       if (!THPVariable_Check(a.ptr())) continue;
       const at::Tensor& t = THPVariable_Unpack(a.ptr());
       if (t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage()) {
-        e.wait_for_storage(t.storage().unsafeGetStorageImpl());
-        // Generated kernels read and write inputs in place, past the forwarding layer: a staged
-        // copy of an input may be stale after the graph (Note [Staged copies and writes]).
-        if (streaming) streamer.note_written(t.storage().unsafeGetStorageImpl());
+        storages.push_back(t.storage().unsafeGetStorageImpl());
       }
+    }
+    py::gil_scoped_release no_gil;
+    OffloadEngine& e = OffloadEngine::get();
+    WeightStreamer& streamer = WeightStreamer::get();
+    const bool streaming = streamer.active();
+    for (c10::StorageImpl* s : storages) {
+      e.wait_for_storage(s);
+      // Generated kernels read and write inputs in place, past the forwarding layer: a staged
+      // copy of an input may be stale after the graph (Note [Staged copies and writes]).
+      if (streaming) streamer.note_written(s);
     }
   });
   m.def("_engine_stats", [](int64_t owner) {

@@ -85,7 +85,9 @@ void bind_stream(py::module& m) {
   });
   m.def("_stream_set_enabled", [](bool on) { WeightStreamer::get().set_enabled(on); });
   m.def("_stream_enabled", [] { return WeightStreamer::get().enabled(); });
-  m.def("_stream_apply", [] { return WeightStreamer::get().apply(); });
+  // Without the GIL: apply() waits for the engine's jobs on the weights it moves, and a job may
+  // need the GIL (see _engine_wait_inputs).
+  m.def("_stream_apply", [] { return WeightStreamer::get().apply(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_stream_replan", [] { WeightStreamer::get().replan(); });
   m.def("_stream_release", [] { WeightStreamer::get().release_staging(); });
 }

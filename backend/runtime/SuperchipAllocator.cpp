@@ -544,10 +544,27 @@ Tier storage_tier(const c10::StorageImpl& storage) {
   return Tier::kHbm;  // empty storages (where they would allocate)
 }
 
+// Copies `nbytes` from the block a storage is leaving into the block replacing it. On the CUDA
+// executor MemoryManager::copy is a cudaMemcpy on the legacy default stream, which is not
+// ordered with the non-blocking streams torch and the engine queue kernels on (a pool stream,
+// the engine worker's side stream, a user's stream): a kernel still writing the old block, or
+// one writing the old block's next owner while a device-to-device cudaMemcpy still reads it
+// (it returns before the copy ends), would race. So the device is idle on both sides: a tier
+// move or a resize is rare, and costs a whole-block copy anyway. Found by review; not yet run
+// on a GPU.
+static void copy_between_blocks(c10::DeviceIndex device, void* dst, const void* src, size_t nbytes) {
+  if (nbytes == 0) return;
+  const c10::impl::DeviceGuardImplInterface* cuda =
+      executor() == Executor::kCuda ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA) : nullptr;
+  if (cuda != nullptr) cuda->synchronizeDevice(executor_device(device).index());
+  memory(device).copy(dst, src, nbytes);
+  if (cuda != nullptr) cuda->synchronizeDevice(executor_device(device).index());
+}
+
 // Copies the bytes of `storage` into `fresh` (a block of `tier`) and swaps them in.
 static void swap_in(c10::StorageImpl& storage, c10::DataPtr fresh, Tier tier) {
   const size_t nbytes = storage.nbytes();
-  if (nbytes > 0) memory(storage.device().index()).copy(fresh.get(), storage.data(), nbytes);
+  copy_between_blocks(storage.device().index(), fresh.get(), storage.data(), nbytes);
   WeightStreamer::get().note_written(&storage);
   // The old DataPtr is released when `old` leaves scope, after the swap.
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
@@ -580,7 +597,7 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
   // An hbm storage may grow into host when hbm is full (Note [Placement]); host stays host.
   c10::DataPtr fresh = tier == Tier::kHbm ? allocate_placed(nbytes, device) : allocate_in_tier(nbytes, tier, device);
   const size_t keep = std::min(nbytes, storage.nbytes());
-  if (keep > 0 && storage.data() != nullptr) memory(device).copy(fresh.get(), storage.data(), keep);
+  if (storage.data() != nullptr) copy_between_blocks(device, fresh.get(), storage.data(), keep);
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
   storage.set_nbytes(nbytes);
   WeightStreamer::get().note_written(&storage);

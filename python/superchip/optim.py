@@ -516,6 +516,30 @@ def link_model() -> dict:
         return _LINK_MODEL
     import os
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    forced = os.environ.get("SUPERCHIP_CAST_ON")
+    if forced and forced not in ("executor", "cpu"):
+        raise ValueError(f"SUPERCHIP_CAST_ON must be 'executor' or 'cpu', got {forced!r}: "
+                         "unset it to let the measured link model choose")
+    # It runs at the first speculation, inside the user's backward: under their dispatch and
+    # function modes (a FlopCounterMode, a logging mode) its tensors and copies are ours, not
+    # theirs to see.
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        link, exec_cast, step_fp32, step_bf16 = _measure_link()
+    t_exec, t_cpu, cast_on = cast_side(link, exec_cast, step_fp32, step_bf16)
+    if forced:
+        cast_on = forced
+    per_gi = (1 << 30) / 2  # bf16 elements in a GiB
+    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast,
+                       step_fp32_grads_per_s=step_fp32, step_bf16_grads_per_s=step_bf16,
+                       seconds_per_gi_cast_on_executor=t_exec * per_gi,
+                       seconds_per_gi_cast_on_cpu=t_cpu * per_gi, cast_on=cast_on)
+    return _LINK_MODEL
+
+
+def _measure_link() -> tuple:
+    """link_model's rates: (link, exec_cast, step_fp32, step_bf16)."""
     from . import _C, move_to_tier
 
     n = 1 << 25
@@ -555,17 +579,4 @@ def link_model() -> dict:
 
     step_fp32 = m / best(lambda: fused_step(g32))
     step_bf16 = m / best(lambda: fused_step(g16))
-    del g32, g16, param, master, exp_avg, exp_avg_sq
-
-    t_exec, t_cpu, cast_on = cast_side(link, exec_cast, step_fp32, step_bf16)
-    forced = os.environ.get("SUPERCHIP_CAST_ON")
-    if forced:
-        if forced not in ("executor", "cpu"):
-            raise ValueError(f"SUPERCHIP_CAST_ON must be 'executor' or 'cpu', got {forced!r}")
-        cast_on = forced
-    per_gi = (1 << 30) / 2  # bf16 elements in a GiB
-    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast,
-                       step_fp32_grads_per_s=step_fp32, step_bf16_grads_per_s=step_bf16,
-                       seconds_per_gi_cast_on_executor=t_exec * per_gi,
-                       seconds_per_gi_cast_on_cpu=t_cpu * per_gi, cast_on=cast_on)
-    return _LINK_MODEL
+    return link, exec_cast, step_fp32, step_bf16

@@ -14,6 +14,7 @@ test the speculative machinery, whose coverage must not depend on how fast this 
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import time
@@ -317,6 +318,51 @@ def test_profiler_shows_engine_ranges():
         torch.superchip.synchronize()
     names = {e.name for e in prof.events()}
     assert {"superchip::bucket_copy", "superchip::speculative_step", "superchip::validate"} <= names
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator a user's dispatch mode sees, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_users_dispatch_mode_sees_what_the_plain_step_shows_it(dtype):
+    # Jobs ran under the submitter's TorchDispatchMode: a mode around backward and step() saw
+    # the worker's snapshot casts, copies and validation's `equal` (Note [Engine jobs and
+    # Python modes]), on the worker, which took the GIL for each; and the link model's
+    # measurement, which runs inside the first speculating backward. The one difference left
+    # is the optimizer's own: the engine reads each parameter's CPU `step` counter (.item())
+    # once more, when it speculates, as torch.optim reads it at step().
+    runs = {}
+    for overlap in (False, True):
+        model, opt = _make(dtype, overlap)
+        g = torch.Generator().manual_seed(1)
+        log = _OpLog()
+        for i in range(4):
+            _, loss = model(_batch(g), _batch(g))
+            with log:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9 if i % 2 else 1e-3)
+                opt.step()
+                opt.zero_grad()
+        torch.superchip.synchronize()
+        if overlap:
+            st = opt.offload_stats()
+            assert st["speculated_buckets"] > 0 and st["rolled_back_buckets"] > 0, st
+        runs[overlap] = (model, log.names)
+    engine, plain = runs[True][1], runs[False][1]
+    reads = "aten._local_scalar_dense.default"
+    assert engine.pop(reads) >= plain.pop(reads)
+    assert engine == plain, set(engine.items()) ^ set(plain.items())
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 def test_soak_memory_returns_to_start():
