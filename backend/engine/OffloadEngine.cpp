@@ -111,6 +111,7 @@ void OffloadEngine::wrap(EngineJob& job) {
 uint64_t OffloadEngine::submit_locked(EngineJob job) {
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   const uint64_t ticket = next_ticket_++;
+  last_owner_ = job.owner;
   for (const auto& s : job.touched) {
     Entry& e = pending_[s.get()];
     if (e.jobs++ == 0 && !e.hold) active_.fetch_add(1, std::memory_order_relaxed);
@@ -241,20 +242,22 @@ void OffloadEngine::wait(uint64_t ticket, int64_t owner) {
       RECORD_FUNCTION("superchip::wait", std::vector<c10::IValue>());
       done_cv_.wait(lock, [&] { return done_upto_ >= ticket; });
     }
-    if (waited) stats_[owner].exposed_seconds += seconds_since(t0);
+    if (waited && owner != kNoOwner) stats_[owner].exposed_seconds += seconds_since(t0);
     std::swap(err, error_);
   }
   release_finished();
   if (err) std::rethrow_exception(err);
 }
 
-void OffloadEngine::synchronize() {
+void OffloadEngine::synchronize(bool charge_exposed) {
   uint64_t last;
-  int64_t owner = 0;
+  int64_t owner = kNoOwner;
   {
     std::lock_guard<std::mutex> lock(mu_);
     last = next_ticket_ - 1;
-    if (!queue_.empty()) owner = queue_.back().second.owner;
+    // The last job's owner, also when that job is running (no longer queued): charging no one
+    // then, as this did, lost the wait of a synchronize() that met a running step.
+    if (charge_exposed) owner = last_owner_;
   }
   wait(last, owner);
 }

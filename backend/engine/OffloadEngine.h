@@ -78,9 +78,12 @@ class OffloadEngine {
   // Queues `job`; returns its ticket (tickets increase by one per job).
   uint64_t submit(EngineJob job);
   // Blocks until the job with `ticket` (and every job before it) has run; counts the wait as
-  // exposed time of `owner`. Re-raises a job's exception.
+  // exposed time of `owner` (kNoOwner: of no one). Re-raises a job's exception.
+  static constexpr int64_t kNoOwner = -1;
   void wait(uint64_t ticket, int64_t owner);
-  void synchronize();
+  // Waits for every queued job; the wait counts as exposed time of the last job's owner, unless
+  // `charge_exposed` is false (offload_stats(): reading the counters must not change them).
+  void synchronize(bool charge_exposed = true);
   // Called for every operand of an operator: returns at once when nothing is pending.
   void wait_for_storage(const c10::StorageImpl* s);
   // Called on the worker, outside the engine's lock, for each storage of a job after it ran
@@ -142,6 +145,7 @@ class OffloadEngine {
   std::unordered_map<int64_t, OwnerStats> stats_;
   std::exception_ptr error_;
   uint64_t next_ticket_ = 1;
+  int64_t last_owner_ = kNoOwner;  // of the last job submitted: synchronize() charges it
   uint64_t done_upto_ = 0;
   bool stop_ = false;
   std::atomic<int64_t> active_{0};      // pending entries: the fast path reads only this

@@ -161,10 +161,10 @@ void bind_engine(py::module& m) {
     py::gil_scoped_release no_gil;
     OffloadEngine::get().wait(ticket, owner);
   });
-  m.def("_engine_synchronize", [] {
+  m.def("_engine_synchronize", [](bool charge_exposed) {
     py::gil_scoped_release no_gil;
-    OffloadEngine::get().synchronize();
-  });
+    OffloadEngine::get().synchronize(charge_exposed);
+  }, py::arg("charge_exposed") = true);
   // Compiled graphs read data_ptr() directly, past the dispatcher's check (Forward.cpp): the
   // Inductor wrapper calls this with its inputs first (python/superchip/_inductor/codegen.py).
   // The waits run without the GIL, as _engine_wait does: a job may need it (a CUDA allocation

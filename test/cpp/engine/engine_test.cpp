@@ -10,6 +10,7 @@
 #include <c10/core/StorageImpl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -82,6 +83,44 @@ TEST(OffloadEngine, WaitCoversEveryEarlierTicket) {
   e.wait(last, 7);
   other.join();
   for (int i = 0; i < 8; ++i) expect_filled(bytes(storages[i]), static_cast<uint8_t>(i));
+}
+
+// A job that runs until `open` is set: a wait for it surely waits.
+EngineJob gated_job(const c10::intrusive_ptr<c10::StorageImpl>& s, std::atomic<bool>* open, int64_t owner) {
+  EngineJob job;
+  job.name = "superchip::test_gated";
+  job.owner = owner;
+  job.touched = {s};
+  job.run = [open] {
+    while (!open->load()) std::this_thread::yield();
+  };
+  return job;
+}
+
+TEST(OffloadEngine, SynchronizeChargesExposedTimeOnlyWhenAsked) {
+  // offload_stats() synchronizes to report complete counters; its wait is not the training
+  // loop's, so it must not count as exposed time (a loop logging the stats every step showed
+  // its whole optimizer time as exposed).
+  OffloadEngine& e = OffloadEngine::get();
+  constexpr int64_t kOwner = 21;
+  auto s = make_storage();
+  for (bool charge : {false, true}) {
+    std::atomic<bool> open{false};
+    const double before = e.stats(kOwner).exposed_seconds;
+    e.submit(gated_job(s, &open, kOwner));
+    std::thread opener([&open] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      open.store(true);
+    });
+    e.synchronize(charge);
+    opener.join();
+    const double after = e.stats(kOwner).exposed_seconds;
+    if (charge) {
+      EXPECT_GT(after, before);
+    } else {
+      EXPECT_EQ(after, before);
+    }
+  }
 }
 
 class FillHold final : public SpeculationHold {
