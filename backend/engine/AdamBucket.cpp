@@ -13,6 +13,8 @@
 namespace superchip {
 namespace {
 
+std::atomic<int64_t> g_live_snapshot_bytes{0};
+
 void add_storage(std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out, const at::Tensor& t) {
   if (!t.defined()) return;
   auto s = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl());
@@ -136,18 +138,68 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
+// Note [A speculation without memory]
+// A speculation is optional work: the plain step at step() gives the same bits. Its snapshots
+// take host-tier memory (2 or 4 bytes per parameter, and the executor's memory for the cast)
+// that the plain run never needs, so where there is none (SUPERCHIP_HOST_BYTES, a full GPU)
+// the speculation must not fail the run: it used to leave the allocator's OutOfMemoryError
+// with the engine, which raised it at the next wait, in an operator that had nothing to do
+// with it. Now a snapshot that finds no room abandons its speculation (or probe): what it
+// had copied is freed, nothing is stepped, validate() runs the plain step, and the engine's
+// predictor backs off as after a failure (python/superchip/engine.py, `abandoned_buckets`).
+// The engine also admits a speculation only while the host tier has room for its snapshot
+// and for what the training thread allocated there in the last backward, so this is the
+// exception. Snapshots are ours alone (host_snapshot's fresh tensors, never given to Python),
+// so the worker may free them (Note [Engine and the GIL]); a gradient they replaced stays in
+// the job's `keep`.
 void AdamSpeculation::snapshot() {
   const auto t0 = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> snaps;
+  try {
+    for (const AdamPart& p : parts_) {
+      for (const at::Tensor& g : p.group.grads) snaps.push_back(host_snapshot(g, cast_ ? at::kFloat : g.scalar_type()));
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    snaps.clear();
+    int expected = kQueued;
+    status_.compare_exchange_strong(expected, kAbandoned);
+    seconds_ = seconds_.load() + seconds_since(t0);
+    return;
+  }
+  size_t i = 0;
+  int64_t bytes = 0;
   for (AdamPart& p : parts_) {
     for (at::Tensor& g : p.group.grads) {
-      g = host_snapshot(g, cast_ ? at::kFloat : g.scalar_type());
+      if (snaps[i].device().type() == c10::DeviceType::PrivateUse1) bytes += static_cast<int64_t>(snaps[i].nbytes());
+      g = std::move(snaps[i++]);
     }
   }
+  snapped_ = true;
+  snapshot_bytes_ = bytes;
+  g_live_snapshot_bytes.fetch_add(bytes, std::memory_order_relaxed);
   seconds_ = seconds_.load() + seconds_since(t0);  // only the worker writes it
 }
 
+void AdamSpeculation::release_snapshots() {
+  if (!snapped_) return;
+  for (AdamPart& p : parts_) {
+    for (at::Tensor& g : p.group.grads) g = at::Tensor();
+  }
+  snapped_ = false;
+  g_live_snapshot_bytes.fetch_sub(snapshot_bytes_, std::memory_order_relaxed);
+  snapshot_bytes_ = 0;
+}
+
+AdamSpeculation::~AdamSpeculation() {
+  // A speculation dropped before validation (its step() never came): its snapshots go now.
+  g_live_snapshot_bytes.fetch_sub(snapshot_bytes_, std::memory_order_relaxed);
+}
+
+int64_t AdamSpeculation::live_snapshot_bytes() { return g_live_snapshot_bytes.load(std::memory_order_relaxed); }
+
 void AdamSpeculation::step() {
   TORCH_CHECK(!probe_, "superchip.optim: internal error: a probe is never stepped speculatively");
+  if (status_.load() == kAbandoned) return;
   const auto t0 = std::chrono::steady_clock::now();
   logs_.assign(parts_.size(), {});
   int64_t bytes = 0, exc = 0;
@@ -165,17 +217,25 @@ void AdamSpeculation::step() {
 }
 
 void AdamSpeculation::rollback() {
-  if (status_.load() != kSpeculated) return;
+  if (status_.load() != kSpeculated) {
+    if (probe_) release_snapshots();  // a probe whose step() never came
+    return;
+  }
   for (size_t k = parts_.size(); k-- > 0;) {
     if (parts_[k].group.params.empty()) continue;
     fused_adam_undo(parts_[k].group, parts_[k].hyper, logs_[k]);
   }
   logs_.clear();
+  release_snapshots();
   status_ = kRolledBack;
 }
 
 void AdamSpeculation::validate(std::vector<AdamPart> current) {
   TORCH_CHECK(current.size() == parts_.size(), "superchip.optim: internal error: bucket changed shape");
+  if (status_.load() == kAbandoned) {  // Note [A speculation without memory]
+    step_adam_parts(current);
+    return;
+  }
   if (probe_) {
     // Would a speculation have held? Only the gradients decide (a new learning rate from a
     // scheduler changes every step and says nothing about the next one).
@@ -188,6 +248,7 @@ void AdamSpeculation::validate(std::vector<AdamPart> current) {
         valid = same_bits(now.grads[i], was.grads[i]);
       }
     }
+    release_snapshots();
     step_adam_parts(current);
     status_ = valid ? kProbeValid : kProbeInvalid;
     return;
@@ -206,10 +267,12 @@ void AdamSpeculation::validate(std::vector<AdamPart> current) {
   }
   if (valid) {
     logs_.clear();
+    release_snapshots();
     status_ = kCommitted;
     return;
   }
-  rollback();
+  rollback();  // frees the snapshots too
+  release_snapshots();  // (also when nothing was stepped)
   step_adam_parts(current);
   status_ = kRedone;
 }

@@ -4,6 +4,10 @@
 //                               -> rollback (a reader or zero_grad() before step())
 // or, for a probe (the predictor's cheap test while speculation is off), only
 //   snapshot (during backward) -> validate: compares, then steps -> probe valid | invalid
+// A speculation or probe whose snapshot finds no room (the host tier, or the executor for the
+// cast) is abandoned: it steps nothing, and validate() runs the plain step (Note [A
+// speculation without memory] in AdamBucket.cpp). The snapshots are freed as soon as the
+// bucket is validated or rolled back, not when the speculation object goes.
 // Every transition runs on the engine worker; the undo log makes rollback exact
 // (ops/cpu/AdamUndo.h), so a speculated bucket ends bit for bit where the plain step ends.
 // Thread-safety: methods other than status()/undo_bytes()/escapes() run on the worker.
@@ -36,7 +40,7 @@ class AdamSpeculation final : public SpeculationHold {
  public:
   enum Status : int {
     kQueued = 0, kSpeculated = 1, kRolledBack = 2, kCommitted = 3, kRedone = 4,
-    kProbeValid = 5, kProbeInvalid = 6,
+    kProbeValid = 5, kProbeInvalid = 6, kAbandoned = 7,
   };
 
   // `cast_grads_to_fp32`: the snapshot is cast to fp32 on the executor before the move
@@ -45,8 +49,15 @@ class AdamSpeculation final : public SpeculationHold {
   // records whether a speculation would have been valid, then runs the plain step.
   AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32,
                   bool probe = false);
+  ~AdamSpeculation() override;
 
-  // Worker: the bucket's gradients cast-then-moved to host-tier snapshots.
+  // Bytes of host-tier memory the live snapshots of every speculation hold (any thread): the
+  // engine's admission subtracts them from the tier's allocated bytes to see the training's
+  // own use (Note [A speculation without memory]).
+  static int64_t live_snapshot_bytes();
+
+  // Worker: the bucket's gradients cast-then-moved to host-tier snapshots; kAbandoned (and
+  // nothing kept) where there is no memory for them.
   void snapshot();
   // Worker: steps from the snapshots, recording the undo log.
   void step();
@@ -67,11 +78,16 @@ class AdamSpeculation final : public SpeculationHold {
   const std::vector<AdamPart>& parts() const { return parts_; }
 
  private:
+  // Worker: drops the snapshots (once validated or rolled back, nothing reads them again).
+  void release_snapshots();
+
   int64_t owner_;
   std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
   std::vector<AdamUndoLogs> logs_;    // one per part
   bool cast_;
   bool probe_;
+  bool snapped_ = false;              // parts_' grads are our snapshots (worker only)
+  int64_t snapshot_bytes_ = 0;        // their host-tier bytes, in live_snapshot_bytes()
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
   std::atomic<int64_t> escapes_{0};

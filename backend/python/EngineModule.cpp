@@ -190,6 +190,7 @@ void bind_engine(py::module& m) {
       if (streaming) streamer.note_written(s);
     }
   });
+  m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
   m.def("_engine_stats", [](int64_t owner) {
     const OwnerStats s = OffloadEngine::get().stats(owner);
     py::dict d;

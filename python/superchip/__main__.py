@@ -60,16 +60,22 @@ def info() -> None:
     print(superchip._C._topology())
     lm = superchip.optim.link_model()
     print("link-cost model (cast-then-move of gradient buckets, measured now):")
-    print(f"  link (hbm -> host copy): {lm['link_bytes_per_s'] / 1e9:.1f} GB/s; bf16->fp32 cast on the "
-          f"executor: {lm['executor_cast_bytes_per_s'] / 1e9:.1f} GB/s")
+    if lm["link_bytes_per_s"] is None:
+        print(f"  link (hbm -> host copy): not measured: {lm['link_not_measured']}")
+    else:
+        print(f"  link (hbm -> host copy, {lm['link_elements'] >> 20} Mi bf16 elements): "
+              f"{lm['link_bytes_per_s'] / 1e9:.1f} GB/s; bf16->fp32 cast on the "
+              f"executor: {lm['executor_cast_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"  fused AdamW step (bf16 params, fp32 master): {lm['step_fp32_grads_per_s'] / 1e6:.0f} Mparam/s "
           f"reading fp32 gradients, {lm['step_bf16_grads_per_s'] / 1e6:.0f} Mparam/s reading bf16 "
           f"(converting as it reads)")
-    print(f"  per GiB of bf16 gradients: cast on executor, move fp32, step "
-          f"{lm['seconds_per_gi_cast_on_executor'] * 1e3:.0f} ms; move bf16, step "
-          f"{lm['seconds_per_gi_cast_on_cpu'] * 1e3:.0f} ms -> cast on {lm['cast_on']} "
-          f"(SUPERCHIP_CAST_ON overrides)")
-
+    if lm["seconds_per_gi_cast_on_executor"] is None:
+        print(f"  -> cast on {lm['cast_on']} (no link measured; SUPERCHIP_CAST_ON overrides)")
+    else:
+        print(f"  per GiB of bf16 gradients: cast on executor, move fp32, step "
+              f"{lm['seconds_per_gi_cast_on_executor'] * 1e3:.0f} ms; move bf16, step "
+              f"{lm['seconds_per_gi_cast_on_cpu'] * 1e3:.0f} ms -> cast on {lm['cast_on']} "
+              f"(SUPERCHIP_CAST_ON overrides)")
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else "info"

@@ -33,7 +33,7 @@ import torch
 from . import _C
 
 # Status codes of _C._AdamSpeculation (backend/engine/AdamBucket.h).
-_QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID = range(7)
+_QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID, _ABANDONED = range(8)
 _MAX_BACKOFF = 64
 _LEAN_EXPOSED = 0.1  # Note [Speculation budget]: the wait a lean step may leave, per worker second
 
@@ -180,8 +180,13 @@ class Engine:
         self.probing = False
         self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
-                           probed_buckets=0, deferred_buckets=0, lean_steps=0,
+                           probed_buckets=0, deferred_buckets=0, lean_steps=0, abandoned_buckets=0,
                            undo_bytes=0, undo_elements=0, undo_escapes=0)
+        # Note [Speculation and host memory]: the host tier's budget (0: none), the training's
+        # own use of it sampled this iteration and the last, and this backward's admissions.
+        self.host_cap = 0
+        self.host_used = [0, 0]
+        self.admitted: list = []
         self.inline_seconds = 0.0
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
         # attached, buckets whose local gradients are in but not yet reduced, and the reduced
@@ -298,6 +303,9 @@ class Engine:
         self._read_leads()
         self.leads_due, self.ready_ok, self.exposed_at = None, set(), {}
         self.slack, self.last_spec = math.inf, None
+        self.admitted = []
+        if self.buckets and self.can_speculate:
+            self._host_sample()  # the activations are in (Note [Speculation and host memory])
         self._harvest()
         failed, committed, probe_valid, probe_invalid = self.outcomes
         self.outcomes = (False, False, False, False)
@@ -382,7 +390,10 @@ class Engine:
         keep = []
         for s in self.outstanding:
             st = s.spec.status()
-            if st in (_PROBE_VALID, _PROBE_INVALID):
+            if st == _ABANDONED:  # no memory for its snapshot (Note [Speculation and host memory])
+                self.counts["abandoned_buckets"] += 1
+                failed = True
+            elif st in (_PROBE_VALID, _PROBE_INVALID):
                 probe_valid |= st == _PROBE_VALID
                 probe_invalid |= st == _PROBE_INVALID
             elif s.probe:
@@ -421,15 +432,61 @@ class Engine:
         self.slack = end
         return True
 
+    # Note [Speculation and host memory]
+    # A speculated (or probed) bucket's gradients are snapshotted into the host tier, 2 or 4
+    # bytes per parameter, until step() validates it: memory the plain step never needs.
+    # Where the host tier has a budget (SUPERCHIP_HOST_BYTES), that memory must not be what
+    # the training itself needs next: activations and gradients that spill from a full hbm
+    # land there too, and a model that trained with overlap=False failed with the engine (its
+    # snapshots were kept until the next backward, and the forward between ran out). So a
+    # bucket is speculated only while the budget holds the training's own use -- the highest
+    # of the tier's allocated bytes less the live snapshots, sampled at each backward's start
+    # (activations in), at each speculation and at step() (gradients in), over this iteration
+    # and the last -- plus the live snapshots, those admitted but not taken yet, this one's,
+    # and 1/32 of the budget for what the samples miss; the others are stepped at step()
+    # (deferred). Snapshots are freed once validated. A snapshot that still finds no room
+    # abandons its speculation (Note [A speculation without memory],
+    # backend/engine/AdamBucket.cpp). Without a budget the host tier is the machine's memory,
+    # which the allocator does not know: nothing is checked.
+
+    def _host_sample(self) -> None:
+        from . import memory_stats
+
+        st = memory_stats(self.buckets[0][0].device)
+        self.host_cap = st["host.capacity_bytes"]
+        if self.host_cap:
+            used = st["host.allocated_bytes"] - _C._engine_snapshot_bytes()
+            self.host_used[0] = max(self.host_used[0], used)
+
+    def _host_admits(self, b: int, cast_fp32: bool) -> int | None:
+        """The snapshot bytes bucket ``b`` takes in host, or None when the budget has no room."""
+        from . import distributed as _dist
+
+        local = (p.to_local() if _dist.is_dtensor(p) else p for p in self.buckets[b])  # FSDP2: the shard
+        need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local if t.device.type == "superchip")
+        self._host_sample()  # also the budget: superchip.set_capacity() may change it any time
+        if self.host_cap == 0:
+            return need
+        pending = sum(n for spec, n in self.admitted if spec.status() == _QUEUED)
+        room = (self.host_cap - max(self.host_used) - _C._engine_snapshot_bytes() - pending
+                - self.host_cap // 32)
+        return need if need <= room else None
+
     def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
         if not probe and not self._fits(b):
             self.counts["deferred_buckets"] += 1
             return  # stepped at step()
+        cast_fp32 = self.opt._cast_grads_fp32()
+        need = self._host_admits(b, cast_fp32)
+        if need is None:
+            self.counts["deferred_buckets"] += 1
+            return  # stepped at step() (Note [Speculation and host memory])
         params = self.buckets[b]
         parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
         if parts is None:
             return
-        spec = _C._AdamSpeculation(self.owner, parts, self.opt._cast_grads_fp32(), probe)
+        spec = _C._AdamSpeculation(self.owner, parts, cast_fp32, probe)
+        self.admitted.append((spec, need))
         _C._engine_speculate(spec, probe, grads_pending=grads is None)
         self.specs[b] = _Speculation(spec, probe)
         self.outstanding.append(self.specs[b])
@@ -449,6 +506,8 @@ class Engine:
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
             self.probe_bucket = None
         self._plan()
+        if self.buckets and self.can_speculate:
+            self._host_sample()  # the gradients are in (Note [Speculation and host memory])
         self._mark_leads()
         if self.lean and self.can_speculate and self.fired and not self.multi_backward and self.buckets:
             s = _C._engine_stats(self.owner)
@@ -496,6 +555,7 @@ class Engine:
         self.ready_ok, self.exposed_at = set(), {}
         self.last_spec = None
         if stepped:
+            self.host_used = [0, self.host_used[0]]  # this iteration's samples become the last's
             self.counts["steps"] += 1
 
     def _exposed(self) -> float:
@@ -635,6 +695,7 @@ class Engine:
             rolled_back_buckets=self.counts["rolled_back_buckets"],
             probed_buckets=self.counts["probed_buckets"],
             deferred_buckets=self.counts["deferred_buckets"],
+            abandoned_buckets=self.counts["abandoned_buckets"],
             lean_steps=self.counts["lean_steps"],
             steps=self.counts["steps"],
             skipped_steps=self.counts["skipped_steps"],

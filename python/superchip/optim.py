@@ -508,8 +508,15 @@ def link_model() -> dict:
     each gradient dtype. ``cast_on`` names the cheaper side; ``SUPERCHIP_CAST_ON``
     (``executor`` or ``cpu``) overrides it. Rates are bytes of bf16 input per second; the
     step's are elements per second. Either way the snapshot a speculated bucket keeps in
-    ``host`` (until the next backward) is the cast's output: 4 bytes per parameter
+    ``host`` (until step() validates it) is the cast's output: 4 bytes per parameter
     (``executor``) or 2.
+
+    The link's buffers (6 bytes per element in ``hbm``, 2 in ``host``) are sized to at most
+    half of what each tier's budget has free, down to 1 Mi elements (``link_elements`` says how
+    many); where even that does not fit (a model filling ``hbm``, a tight
+    ``SUPERCHIP_HOST_BYTES``), the link is not measured (``link_bytes_per_s`` and
+    ``executor_cast_bytes_per_s`` are None, ``link_not_measured`` says why) and the CPU casts,
+    which needs no executor memory and half the host bytes.
     """
     global _LINK_MODEL
     if _LINK_MODEL is not None:
@@ -526,44 +533,81 @@ def link_model() -> dict:
     # function modes (a FlopCounterMode, a logging mode) its tensors and copies are ours, not
     # theirs to see.
     with _disable_current_modes(), torch._C.DisableTorchFunction():
-        link, exec_cast, step_fp32, step_bf16 = _measure_link()
-    t_exec, t_cpu, cast_on = cast_side(link, exec_cast, step_fp32, step_bf16)
+        (link, exec_cast, n, why), (step_fp32, step_bf16) = _measure_link(), _measure_steps()
+    per_gi = (1 << 30) / 2  # bf16 elements in a GiB
+    if link is None:
+        t_exec = t_cpu = None
+        cast_on = "cpu"
+    else:
+        t_exec, t_cpu, cast_on = cast_side(link, exec_cast, step_fp32, step_bf16)
+        t_exec, t_cpu = t_exec * per_gi, t_cpu * per_gi
     if forced:
         cast_on = forced
-    per_gi = (1 << 30) / 2  # bf16 elements in a GiB
-    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast,
+    _LINK_MODEL = dict(link_bytes_per_s=link, executor_cast_bytes_per_s=exec_cast, link_elements=n,
+                       link_not_measured=why,
                        step_fp32_grads_per_s=step_fp32, step_bf16_grads_per_s=step_bf16,
-                       seconds_per_gi_cast_on_executor=t_exec * per_gi,
-                       seconds_per_gi_cast_on_cpu=t_cpu * per_gi, cast_on=cast_on)
+                       seconds_per_gi_cast_on_executor=t_exec,
+                       seconds_per_gi_cast_on_cpu=t_cpu, cast_on=cast_on)
     return _LINK_MODEL
 
 
-def _measure_link() -> tuple:
-    """link_model's rates: (link, exec_cast, step_fp32, step_bf16)."""
-    from . import _C, move_to_tier
-
-    n = 1 << 25
-
-    def best(fn, reps=3):
+def _best(fn, reps=3) -> float:
+    """The fastest of `reps` timed calls of fn (after one untimed), each synchronized."""
+    fn()
+    t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-        t = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            torch.superchip.synchronize()
-            t = min(t, time.perf_counter() - t0)
-        return t
+        torch.superchip.synchronize()
+        t = min(t, time.perf_counter() - t0)
+    return t
 
-    # Private generators: the measurement runs at the first speculation, inside the user's
-    # training, and drawing from the default ones shifted every later dropout mask (the engine
-    # then differed from overlap=False).
-    src = torch.empty(n, dtype=torch.bfloat16, device="superchip")
-    src.uniform_(generator=torch.Generator(device=src.device).manual_seed(0))
-    dst = torch.empty(n, dtype=torch.bfloat16, device="superchip")
-    move_to_tier(dst, "host")
-    link = 2 * n / best(lambda: dst.copy_(src))
-    exec_cast = 2 * n / best(lambda: src.float())
-    del src, dst
+
+_LINK_MAX_ELEMENTS = 1 << 25  # 64 MiB of bf16: past any CPU's or GPU's caches
+_LINK_MIN_ELEMENTS = 1 << 20
+
+
+def _measure_link() -> tuple:
+    """link_model's link and executor-cast rates: (link, exec_cast, elements, why not).
+
+    It runs inside the user's first speculating backward, beside their activations and
+    weights: with fixed 64 MiB buffers it raised OutOfMemoryError where the host tier's budget
+    was tight (a run that trained with overlap=False failed with the engine), and where hbm was
+    full the source landed in host and the "link" was a host-to-host copy. So the buffers fit
+    in half of what each tier's budget has free, and their tiers are checked."""
+    from . import memory_stats, move_to_tier, tier_of
+
+    st = memory_stats()
+    n = _LINK_MAX_ELEMENTS
+    for tier, per_element in (("hbm", 6), ("host", 2)):  # hbm: the bf16 source and its fp32 cast
+        cap = st[f"{tier}.capacity_bytes"]
+        if cap:
+            free = max(cap - st[f"{tier}.allocated_bytes"], 0)
+            while n >= _LINK_MIN_ELEMENTS and per_element * n > free // 2:
+                n //= 2
+    if n < _LINK_MIN_ELEMENTS:
+        return None, None, 0, ("the tiers' budgets have no room for its buffers (it needs 12 MiB free in "
+                               "hbm and 4 MiB in host)")
+    try:
+        # Private generators: the measurement runs at the first speculation, inside the user's
+        # training, and drawing from the default ones shifted every later dropout mask (the
+        # engine then differed from overlap=False).
+        src = torch.empty(n, dtype=torch.bfloat16, device="superchip")
+        if tier_of(src) != "hbm":
+            return None, None, 0, "hbm has no room for its source buffer"
+        src.uniform_(generator=torch.Generator(device=src.device).manual_seed(0))
+        dst = torch.empty(n, dtype=torch.bfloat16, device="superchip")
+        move_to_tier(dst, "host")
+        link = 2 * n / _best(lambda: dst.copy_(src))
+        exec_cast = 2 * n / _best(lambda: src.float())
+    except torch.OutOfMemoryError as e:
+        return None, None, 0, f"out of memory: {str(e).splitlines()[0]}"
+    return link, exec_cast, n, None
+
+
+def _measure_steps() -> tuple:
+    """link_model's fused-step rates: (step_fp32, step_bf16), elements per second."""
+    from . import _C
 
     # The fused step as the engine runs it on a bucket of a bf16 model, fed each way.
     m = 1 << 23
@@ -577,6 +621,6 @@ def _measure_link() -> tuple:
         _C._adam_step([param], [grad], [master], [exp_avg], [exp_avg_sq], [None], [1], 1e-6, 0.9,
                       0.999, 1e-8, 0.0, True, False, False)
 
-    step_fp32 = m / best(lambda: fused_step(g32))
-    step_bf16 = m / best(lambda: fused_step(g16))
-    return link, exec_cast, step_fp32, step_bf16
+    step_fp32 = m / _best(lambda: fused_step(g32))
+    step_bf16 = m / _best(lambda: fused_step(g16))
+    return step_fp32, step_bf16

@@ -769,6 +769,60 @@ def test_tail_bucket_state_where_hbm_has_no_room_falls_back_to_host():
     assert out["tiers"] == ["hbm", "host"], out  # the tail's state is partly in host
 
 
+def _train_with_host_full_from_step_2(overlap):
+    """_train's loop (fp32, no clipping) with the host tier's budget cut to what is in use once
+    step 1 is done: the optimizer state is in, the gradients and activations live in hbm, and
+    a speculation's snapshot is the only new host memory anyone asks for."""
+    model, opt = _make(torch.float32, overlap)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    old = superchip.memory_stats()["host.capacity_bytes"]
+    try:
+        for i in range(6):
+            _, loss = model(_batch(g), _batch(g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if i == 1:
+                torch.superchip.synchronize()
+                superchip.empty_cache()  # the freed snapshots' blocks would be reused
+                superchip.set_capacity("host", superchip.memory_stats()["host.allocated_bytes"] + 4096)
+        torch.superchip.synchronize()
+    finally:
+        superchip.set_capacity("host", old)
+    return model, opt, losses, []
+
+
+@pytest.mark.parametrize("admission", [True, False], ids=["admitted", "snapshot-oom"])
+def test_speculation_never_fails_a_run_for_host_memory(monkeypatch, admission):
+    # A speculation's snapshot takes host-tier memory the plain step never needs. With the
+    # host tier's budget full, the snapshot's OutOfMemoryError was kept by the engine and
+    # raised at the next wait (the next step() or operator): a run that trains with
+    # overlap=False failed with the engine. Now the engine admits a speculation only where the
+    # budget has room for it (Note [Speculation and host memory] in superchip/engine.py), and a
+    # snapshot that finds none anyway (here: the admission bypassed) abandons its speculation,
+    # and the plain step runs (Note [A speculation without memory], AdamBucket.cpp).
+    if not admission:
+        monkeypatch.setattr(superchip.engine.Engine, "_host_admits",
+                            lambda self, b, cast_fp32: sum(4 * p.numel() for p in self.buckets[b]))
+    plain = _train_with_host_full_from_step_2(False)
+    engine = _train_with_host_full_from_step_2(True)
+    _assert_same(plain, engine)
+    st = engine[1].offload_stats()
+    assert st["steps"] == 6 and st["rolled_back_buckets"] == 0, st
+    if admission:
+        # Step 1 speculated every bucket; from step 2 on the budget has no room for any.
+        assert st["speculated_buckets"] == st["buckets"] and st["abandoned_buckets"] == 0, st
+        assert st["deferred_buckets"] >= 4 * st["buckets"], st
+    else:
+        # The first abandoned speculations back off like a failure: the predictor then
+        # probes (a probe's snapshot is abandoned too) and never speculates again.
+        assert st["abandoned_buckets"] >= st["buckets"], st
+        assert st["speculated_buckets"] >= 2 * st["buckets"], st
+    assert superchip.engine._C._engine_snapshot_bytes() == 0  # every snapshot freed
+
+
 @pytest.mark.parametrize("tail", [0, 1], ids=["no-tail", "tail-bucket"])
 def test_a_layer_skipped_in_one_iteration_stays_exact(tail):
     # The set of parameters with a gradient changes at step() (a layer unused in this
@@ -852,9 +906,39 @@ def test_the_link_model_charges_the_cpu_side_with_the_fused_step():
     assert lm["cast_on"] in ("executor", "cpu")
 
 
+@pytest.mark.parametrize("tier,free_mib", [("host", 20), ("hbm", 20), ("hbm", 4)],
+                         ids=["host-20MiB-free", "hbm-20MiB-free", "hbm-4MiB-free"])
+def test_the_link_model_measures_in_what_the_tiers_have_free(monkeypatch, tier, free_mib):
+    # The link model is measured inside the first speculating backward, beside the user's
+    # weights and activations. Its fixed 64 MiB buffers raised OutOfMemoryError from
+    # loss.backward() where the host tier's budget was tight (overlap=False trained fine),
+    # and where hbm was full its source landed in host: a host-to-host copy measured as the
+    # link. Now the buffers take at most half of each tier's free budget, and no measurement
+    # at all where that is under 1 Mi elements: then the CPU casts.
+    _cast_on(monkeypatch, None)
+    st = superchip.memory_stats()
+    old = st[f"{tier}.capacity_bytes"]
+    try:
+        superchip.set_capacity(tier, st[f"{tier}.allocated_bytes"] + (free_mib << 20))
+        plain = _train(torch.bfloat16, False)
+        engine = _train(torch.bfloat16, True)
+        lm = superchip.optim.link_model()  # measured in the engine's first speculating backward
+    finally:
+        superchip.set_capacity(tier, old)
+    _assert_same(plain, engine)
+    assert engine[1].offload_stats()["speculated_buckets"] > 0
+    if free_mib == 4:  # 6 bytes per element in hbm, within half of 4 MiB: under 1 Mi elements
+        assert lm["link_bytes_per_s"] is None and lm["link_elements"] == 0, lm
+        assert "no room" in lm["link_not_measured"] and lm["cast_on"] == "cpu", lm
+    else:
+        per_element = 2 if tier == "host" else 6
+        assert (1 << 20) <= lm["link_elements"] and per_element * lm["link_elements"] <= (10 << 20), lm
+        assert lm["link_bytes_per_s"] > 0 and lm["link_not_measured"] is None, lm
+
+
 def test_bf16_snapshots_take_two_bytes_per_parameter_when_the_cpu_casts(monkeypatch):
-    # Where a bucket's cast runs decides what a speculated bucket keeps in host until the next
-    # backward: its gradients cast to fp32 (4 bytes per parameter) or as they are, bf16 (2),
+    # Where a bucket's cast runs decides what a speculated bucket keeps in host until step()
+    # validates it: its gradients cast to fp32 (4 bytes per parameter) or as they are, bf16 (2),
     # which the fused step converts as it reads. Asserted from the host tier's statistics
     # across the first speculated backward (the first step only plans); requested bytes, since
     # allocated ones depend on which cached blocks the tier reuses.
