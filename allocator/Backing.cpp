@@ -3,11 +3,15 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "allocator/HostMemory.h"
 
 #ifdef SUPERCHIP_HAVE_NUMA
 #include <numa.h>
@@ -60,14 +64,37 @@ void bind_to_node(void* ptr, size_t bytes, int node) noexcept {
 
 // ---- host memory (host tier and the emulated hbm pool) ----
 
+// Note [The machine's memory]
+// Host memory is mapped lazily: mmap of more than the machine has succeeds (overcommit), and
+// the kernel finds out when the pages are first touched, by killing the process (the OOM
+// killer, or the memory cgroup's). A host tier without a budget, the default, therefore never
+// said "out of memory": a model too large for the machine placed its weights and optimizer
+// state block by block until the process died with SIGKILL in the middle of `.to()` or of the
+// first step (measured: a 1.5 GiB memory cgroup, 128 MiB host-tier tensors filled one by one,
+// killed at the tenth). So before a block of kMmapThreshold or more is mapped, the backing
+// reads what the machine can still give this process (HostMemory.h: MemAvailable, bounded by
+// the memory cgroup) and refuses the block, a null block like any backing out of memory, when
+// it does not fit beside a reserve (host_memory_reserve: limit / 32 within [256 MiB, 2 GiB])
+// kept for the rest of the process. The tier then releases its cache, which counts as used,
+// and asks again; a second refusal raises OutOfTierMemory naming the machine's figures, so
+// placement spills, the engine abandons a speculation and the user reads what was wrong, as
+// for a budget. Limits, said in the README: the figures are the kernel's at the moment of the
+// request, so blocks mapped and not yet written do not count against the next one, nor does
+// memory other allocators (torch's CPU tensors) take later; swap is not counted (training on
+// swap is not a working configuration), SUPERCHIP_HOST_MEMORY_CHECK=0 turns the check off.
+// Smaller blocks are not checked. A read takes about 40 us (/proc/meminfo and the cgroup's
+// files; v1's memory.stat is the dear one), so figures are reused for 50 ms less what was
+// mapped since, and read again before any refusal.
+
 class HostBacking final : public Backing {
  public:
-  HostBacking(int numa_node, bool pin, const char* name)
-      : numa_node_(numa_node), pin_(pin), name_(name) {}
+  HostBacking(int numa_node, bool pin, const char* name, bool check_memory)
+      : numa_node_(numa_node), pin_(pin), check_memory_(check_memory), name_(name) {}
 
   RawBlock allocate(size_t bytes) override {
     RawBlock block;
     block.bytes = bytes;
+    if (check_memory_ && bytes >= kMmapThreshold && !machine_holds(bytes)) return RawBlock{};
     if (bytes >= kMmapThreshold || pin_) {
       // mmap gives page-aligned memory that is only committed when touched, and a range
       // of its own that mbind and cudaHostRegister can act on. With a GPU every host block
@@ -111,7 +138,44 @@ class HostBacking final : public Backing {
 
   const char* name() const noexcept override { return name_; }
 
+  std::string shortage() const override { return shortage_; }
+
  private:
+  // Whether the machine can give this process `bytes` more and keep the reserve (Note [The
+  // machine's memory]); when not, shortage_ says why. True when the figures cannot be read.
+  // The figures read are kept for kFresh, less what this backing mapped since: a request
+  // that fits them does not read again, one that does not is decided on a fresh read.
+  bool machine_holds(size_t bytes) {
+    shortage_.clear();
+    if (unreadable_) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (figures_ && now - read_at_ < kFresh && fits(*figures_, mapped_since_read_ + bytes)) {
+      mapped_since_read_ += bytes;
+      return true;
+    }
+    figures_ = read_host_memory();
+    read_at_ = now;
+    mapped_since_read_ = 0;
+    if (!figures_) {
+      unreadable_ = true;  // not Linux, or no /proc: nothing to check against
+      return true;
+    }
+    if (fits(*figures_, bytes)) {
+      mapped_since_read_ = bytes;
+      return true;
+    }
+    shortage_ = "this machine cannot hold it: " + figures_->describe() +
+                ", of which superchip leaves " + format_bytes(host_memory_reserve(figures_->limit())) +
+                " free for the rest of the process";
+    return false;
+  }
+
+  static bool fits(const HostMemory& m, size_t bytes) noexcept {
+    const size_t reserve = host_memory_reserve(m.limit());
+    const size_t room = m.headroom();
+    return room >= reserve && bytes <= room - reserve;
+  }
+
   // Pinning is an optimisation (direct DMA); pageable memory still works, so a failure
   // (no GPU, RLIMIT_MEMLOCK) is reported once and the block stays pageable.
   bool try_pin(void* ptr, size_t bytes) noexcept {
@@ -134,8 +198,15 @@ class HostBacking final : public Backing {
 
   int numa_node_;
   bool pin_;
+  bool check_memory_;
   const char* name_;
   bool warned_pin_ = false;
+  std::string shortage_;
+  static constexpr std::chrono::milliseconds kFresh{50};
+  std::optional<HostMemory> figures_;
+  std::chrono::steady_clock::time_point read_at_{};
+  size_t mapped_since_read_ = 0;
+  bool unreadable_ = false;
 };
 
 // ---- CUDA device memory ----
@@ -200,7 +271,10 @@ class CudaBacking final : public Backing {
 }  // namespace
 
 std::unique_ptr<Backing> make_hbm_backing(const MemoryConfig& config) {
-  if (!config.cuda) return std::make_unique<HostBacking>(-1, false, "host memory (emulated hbm)");
+  if (!config.cuda) {
+    return std::make_unique<HostBacking>(-1, false, "host memory (emulated hbm)",
+                                         config.check_host_memory);
+  }
 #ifdef SUPERCHIP_HAVE_CUDA
   return std::make_unique<CudaBacking>(config.device_index, config.release_foreign_cache);
 #else
@@ -211,7 +285,8 @@ std::unique_ptr<Backing> make_hbm_backing(const MemoryConfig& config) {
 }
 
 std::unique_ptr<Backing> make_host_backing(const MemoryConfig& config) {
-  return std::make_unique<HostBacking>(config.numa_node, config.pin_host, "host memory");
+  return std::make_unique<HostBacking>(config.numa_node, config.pin_host, "host memory",
+                                       config.check_host_memory);
 }
 
 }  // namespace superchip

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "allocator/MemoryManager.h"
 
@@ -39,6 +40,9 @@ class Backing {
   virtual void release(const RawBlock& block) noexcept = 0;
   // What the memory is, for error messages ("cudaMalloc on device 0", "host memory").
   virtual const char* name() const noexcept = 0;
+  // Why the last allocate() returned a null block, for the error message, when the backing
+  // knows more than "out of memory" (the host backing: the machine's figures); empty otherwise.
+  virtual std::string shortage() const { return {}; }
   // Asks another allocator of the same memory to give back what it caches (CUDA's caching
   // allocator, MemoryConfig.release_foreign_cache); whether one was asked. Called WITHOUT the
   // tier's mutex (the other allocator takes its own locks, and may take the GIL), so unlike
@@ -52,6 +56,9 @@ class Backing {
 std::unique_ptr<Backing> make_hbm_backing(const MemoryConfig& config);
 // host tier: host memory, mmap'd blocks bound to config.numa_node (when libnuma works)
 // and registered with CUDA when config.pin_host (CUDA builds only; falls back to pageable).
+// With config.check_host_memory, a block of kMmapThreshold or more that the machine cannot
+// hold is refused (a null block) before it is mapped (Note [The machine's memory] in
+// Backing.cpp); so is one of the emulated hbm pool.
 std::unique_ptr<Backing> make_host_backing(const MemoryConfig& config);
 
 #ifdef SUPERCHIP_HAVE_CUDA

@@ -132,8 +132,10 @@ void MemoryManager::throw_both_full(size_t nbytes, const OutOfTierMemory& host_e
   throw OutOfTierMemory("superchip: out of memory in both tiers of superchip:" +
                             std::to_string(impl_->config.device_index) + ": tried to allocate " +
                             format_bytes(nbytes) + "; " + hbm_part + "; and " + host_error.what() +
-                            " Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES.",
-                        Tier::kHost, nbytes);
+                            // Where the machine ran out, its own advice stands: a larger
+                            // budget would not help.
+                            (host_error.system() ? "" : " Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES."),
+                        Tier::kHost, nbytes, host_error.system());
 }
 
 bool MemoryManager::host_placeable(size_t nbytes) const noexcept {

@@ -49,14 +49,18 @@ struct TierStats {
 // says what the user can do. The manager's state is unchanged by a failed request.
 class OutOfTierMemory : public std::runtime_error {
  public:
-  OutOfTierMemory(const std::string& what, Tier tier, size_t requested)
-      : std::runtime_error(what), tier_(tier), requested_(requested) {}
+  OutOfTierMemory(const std::string& what, Tier tier, size_t requested, bool system = false)
+      : std::runtime_error(what), tier_(tier), requested_(requested), system_(system) {}
   Tier tier() const noexcept { return tier_; }
   size_t requested() const noexcept { return requested_; }
+  // True when the memory itself ran out (cudaMalloc, the machine's memory) before the budget:
+  // raising the budget would not help.
+  bool system() const noexcept { return system_; }
 
  private:
   Tier tier_;
   size_t requested_;
+  bool system_;
 };
 
 struct MemoryConfig {
@@ -68,6 +72,11 @@ struct MemoryConfig {
   size_t host_capacity = 0;  // bytes; 0 = unlimited
   int numa_node = -1;        // NUMA node for host-tier memory; -1 = no binding
   bool pin_host = false;     // cudaHostRegister large host blocks (CUDA builds only)
+  // Host-memory blocks of 1 MiB or more (host tier, emulated hbm) are refused when the
+  // machine (MemAvailable, the memory cgroup) cannot hold them beside a reserve, instead of
+  // being mapped for the kernel to kill the process on first touch (Note [The machine's
+  // memory] in Backing.cpp).
+  bool check_host_memory = true;
   // hbm kept free of weights for activations (Note [Placement]): reserve_bytes when set
   // (> 0), else reserve_fraction of the hbm capacity. Only applies to a limited hbm.
   size_t hbm_reserve_bytes = 0;

@@ -55,7 +55,7 @@ void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (nbytes > kMaxRequest) {
       if (quiet) return nullptr;
-      throw_oom(nbytes, nullptr);
+      throw_oom(nbytes, false);
     }
     const size_t rounded = round_size(nbytes);
 
@@ -72,7 +72,7 @@ void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
 
     if (!make_room(rounded)) {
       if (quiet) return nullptr;
-      throw_oom(nbytes, nullptr);
+      throw_oom(nbytes, false);
     }
     RawBlock raw = backing_->allocate(rounded);
     if (raw.ptr == nullptr) {
@@ -87,7 +87,7 @@ void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
         lock.lock();
       }
       if (quiet) return nullptr;
-      throw_oom(nbytes, backing_->name());
+      throw_oom(nbytes, true);
     }
     try {
       live_.emplace(raw.ptr, LiveBlock{raw, nbytes});
@@ -130,7 +130,7 @@ bool TierAllocator::try_account_external(size_t nbytes) {
 void TierAllocator::account_external(size_t nbytes) {
   if (nbytes == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!account_locked(nbytes)) throw_oom(nbytes, nullptr);
+  if (!account_locked(nbytes)) throw_oom(nbytes, false);
 }
 
 bool TierAllocator::account_locked(size_t nbytes) {
@@ -176,7 +176,7 @@ bool TierAllocator::make_room(size_t bytes) {
   return true;
 }
 
-void TierAllocator::throw_oom(size_t requested, const char* exhausted_backing) {
+void TierAllocator::throw_oom(size_t requested, bool backing_exhausted) {
   stats_.num_ooms++;
   const bool hbm = tier_ == Tier::kHbm;
   const int64_t cached = stats_.reserved_bytes - stats_.allocated_bytes;
@@ -187,17 +187,28 @@ void TierAllocator::throw_oom(size_t requested, const char* exhausted_backing) {
                                                 : format_bytes(size_t(stats_.capacity_bytes))) +
                     ", " + format_bytes(size_t(stats_.allocated_bytes)) +
                     " allocated by tensors, " + format_bytes(size_t(cached)) + " cached";
-  if (exhausted_backing != nullptr) {
+  if (backing_exhausted) {
     // The budget was not the limit, so raising it would not help.
-    msg += std::string("; ") + exhausted_backing + " has no more free memory). Free tensors";
-    if (hbm) msg += ", or move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
-    msg += ".";
+    const std::string shortage = backing_->shortage();
+    if (shortage.empty()) {
+      msg += std::string("; ") + backing_->name() + " has no more free memory). Free tensors";
+      if (hbm) msg += ", or move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
+      msg += ".";
+    } else {
+      // The machine's memory (Note [The machine's memory] in Backing.cpp).
+      msg += "; " + shortage + "). Free tensors";
+      if (hbm) msg += ", move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
+      msg += ", stop other processes using this machine's memory, or run where the process has "
+             "more memory (a larger memory cgroup limit); SUPERCHIP_HOST_MEMORY_CHECK=0 turns "
+             "this check off (memory past it is taken from swap, or the kernel kills the "
+             "process).";
+    }
   } else {
     msg += "). Free tensors, call superchip.empty_cache(), ";
     if (hbm) msg += "move tensors to the host tier with superchip.move_to_tier(t, \"host\"), ";
     msg += std::string("or raise ") + (hbm ? "SUPERCHIP_HBM_BYTES." : "SUPERCHIP_HOST_BYTES.");
   }
-  throw OutOfTierMemory(msg, tier_, requested);
+  throw OutOfTierMemory(msg, tier_, requested, backing_exhausted);
 }
 
 void TierAllocator::release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept {

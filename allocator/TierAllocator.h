@@ -98,7 +98,8 @@ class TierAllocator {
   bool account_locked(size_t nbytes);  // under mutex_: false (nothing changed) when over budget
   // False (nothing changed) when the budget cannot hold `bytes` even with the cache released.
   bool make_room(size_t bytes);
-  [[noreturn]] void throw_oom(size_t requested, const char* reason);
+  // backing_exhausted: the backing, not the budget, had no room (its shortage() says why).
+  [[noreturn]] void throw_oom(size_t requested, bool backing_exhausted);
   void release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept;
   void release_all_cached() noexcept;
   void grow(int64_t allocated, int64_t requested, int64_t reserved) noexcept;

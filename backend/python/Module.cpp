@@ -8,6 +8,7 @@
 
 #include <pybind11/stl.h>
 
+#include "allocator/HostMemory.h"
 #include "allocator/Topology.h"
 #include "backend/distributed/ProcessGroupSccl.h"
 #include "backend/native/Forward.h"
@@ -288,6 +289,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("_pending_stream_frees", [] { return pending_stream_frees(); });
   m.def("_leased_storage_count", [] { return leased_storage_count(); });
   m.def("_topology", [] { return Topology::get().describe(); });
+  // What the machine can still give this process (Note [The machine's memory]): the host
+  // tier's bound where it has no budget; "" where the kernel's figures cannot be read.
+  m.def("_host_memory", [] {
+    const std::optional<HostMemory> m = read_host_memory();
+    if (!m) return std::string();
+    return m->describe() + "; superchip leaves " + format_bytes(host_memory_reserve(m->limit())) +
+           " of it free";
+  });
   bind_engine(m);
   bind_stream(m);
 }

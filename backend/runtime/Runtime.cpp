@@ -199,6 +199,11 @@ MemoryManager& memory(c10::DeviceIndex index) {
   }
   const std::string host = env_or("SUPERCHIP_HOST_BYTES", "");
   cfg.host_capacity = host.empty() ? 0 : parse_bytes(host, "SUPERCHIP_HOST_BYTES");
+  const std::string check = env_or("SUPERCHIP_HOST_MEMORY_CHECK", "1");
+  TORCH_CHECK(check == "0" || check == "1",
+              "SUPERCHIP_HOST_MEMORY_CHECK must be 1 (refuse host memory the machine cannot "
+              "hold, the default) or 0 (map it anyway); got '", check, "'.");
+  cfg.check_host_memory = check == "1";
   const Topology& topo = Topology::get();
   cfg.numa_node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(cfg.cuda ? index : -1))].os_index;
   cfg.pin_host = cfg.cuda;

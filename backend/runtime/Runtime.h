@@ -38,7 +38,9 @@ void check_device_index(c10::DeviceIndex index);
 c10::DeviceIndex resolve_device(c10::DeviceIndex index);
 
 // The two-tier memory of superchip:index (created on first use). Budgets come from
-// SUPERCHIP_HBM_BYTES / SUPERCHIP_HOST_BYTES (integers with an optional K/M/G/T suffix).
+// SUPERCHIP_HBM_BYTES / SUPERCHIP_HOST_BYTES (integers with an optional K/M/G/T suffix);
+// SUPERCHIP_HOST_MEMORY_CHECK=0 maps host memory the machine cannot hold (Note [The
+// machine's memory] in allocator/Backing.cpp).
 MemoryManager& memory(c10::DeviceIndex index);
 // The managers created so far (nullptr for devices not used yet); index < device_count().
 MemoryManager* memory_if_created(c10::DeviceIndex index) noexcept;

@@ -1,5 +1,6 @@
 """python -m superchip info: executor, devices, tiers, budgets, topology and measured rates."""
 
+import os
 import sys
 import time
 
@@ -52,6 +53,12 @@ def info() -> None:
             cap = stats[f"{tier}.capacity_bytes"]
             print(f"  superchip:{i} {tier}: capacity {cap / 2**30:.2f} GiB" if cap else
                   f"  superchip:{i} {tier}: capacity unlimited")
+    machine = superchip._C._host_memory()
+    if machine:
+        # Every host-memory block of 1 MiB or more is checked against it (unless
+        # SUPERCHIP_HOST_MEMORY_CHECK=0), budget or not.
+        off = os.environ.get("SUPERCHIP_HOST_MEMORY_CHECK", "1") == "0"
+        print(f"  host memory: {machine}" + (" (not checked: SUPERCHIP_HOST_MEMORY_CHECK=0)" if off else ""))
     print(f"optimizer: {superchip._C._optimizer_threads()} threads, SIMD path "
           f"{superchip._C._optimizer_simd_path()}")
     for line in measured_rates():

@@ -446,8 +446,9 @@ class Engine:
     # and 1/32 of the budget for what the samples miss; the others are stepped at step()
     # (deferred). Snapshots are freed once validated. A snapshot that still finds no room
     # abandons its speculation (Note [A speculation without memory],
-    # backend/engine/AdamBucket.cpp). Without a budget the host tier is the machine's memory,
-    # which the allocator does not know: nothing is checked.
+    # backend/engine/AdamBucket.cpp). Without a budget nothing is admitted or refused here:
+    # the host backing refuses a block the machine itself cannot hold (Note [The machine's
+    # memory], allocator/Backing.cpp), and a snapshot refused there abandons as above.
 
     def _host_sample(self) -> None:
         from . import memory_stats

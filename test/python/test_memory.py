@@ -7,9 +7,13 @@ Rounding: blocks are multiples of 512 B below 1 MiB and of 128 KiB from 1 MiB on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import json
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -508,3 +512,100 @@ def test_byte_suffixes_in_budget_variables():
                        env={"SUPERCHIP_HBM_BYTES": text})
         assert r.returncode == 0, r.stderr
         assert int(r.stdout.strip().splitlines()[-1]) == expect, text
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A new memory cgroup (v1 or v2) under this process's own, limited to ``limit_bytes``;
+    yields the path of its ``cgroup.procs``. Skips the test where none can be made (not root,
+    no memory controller)."""
+    base = name = None
+    for line in open("/proc/self/cgroup").read().splitlines():
+        ident, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") and os.path.isdir("/sys/fs/cgroup/memory"):
+            base, limit_file = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        elif (ident == "0" and not controllers and base is None
+              and "memory" in open_or_empty("/sys/fs/cgroup/cgroup.subtree_control")):
+            base, limit_file = "/sys/fs/cgroup", "memory.max"
+        else:
+            continue
+        parent = base + path.rstrip("/")
+        base = parent if os.path.isdir(parent) else base
+        if limit_file == "memory.limit_in_bytes":
+            break
+    if base is None:
+        pytest.skip("no memory cgroup controller to limit a child process with")
+    name = os.path.join(base, f"superchip-test-{os.getpid()}")
+    try:
+        os.mkdir(name)
+        with open(os.path.join(name, limit_file), "w") as f:
+            f.write(str(limit_bytes))
+    except OSError as e:
+        if os.path.isdir(name):
+            os.rmdir(name)
+        pytest.skip(f"cannot make a memory cgroup under {base} ({e}); needs root")
+    try:
+        yield os.path.join(name, "cgroup.procs")
+    finally:
+        for _ in range(50):  # the kernel frees an emptied cgroup a moment after its last task
+            try:
+                os.rmdir(name)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def open_or_empty(path: str) -> str:
+    try:
+        return open(path).read()
+    except OSError:
+        return ""
+
+
+def test_a_model_too_large_for_the_machine_fails_with_an_error_not_a_kill():
+    # Note [The machine's memory] (allocator/Backing.cpp): without a host budget, placement
+    # used to map host memory past what the machine (here a 1.5 GiB memory cgroup) can hold,
+    # and the kernel killed the process (SIGKILL) while the weights were being initialised.
+    # Now the placement fails with an OutOfMemoryError naming both tiers and the machine's
+    # figures, and the process goes on.
+    from helpers import run_python
+
+    with memory_cgroup(1536 * MiB) as procs:
+        code = f"""
+import json, os
+open({procs!r}, "w").write(str(os.getpid()))   # join the cgroup before any allocation
+import torch, torch.nn as nn, superchip
+layers = []
+try:
+    with torch.device("superchip"):
+        for _ in range(64):                         # 64 MiB of weights each: 4 GiB in all
+            layers.append(nn.Linear(4096, 4096))
+except torch.OutOfMemoryError as e:
+    msg = str(e)
+else:
+    raise SystemExit("4 GiB of weights placed in a 1.5 GiB cgroup")
+placed = len(layers)
+host = superchip.memory_stats()["host.allocated_bytes"]
+del layers[placed // 2:]                            # the process goes on: free half, place again
+superchip.empty_cache()
+with torch.device("superchip"):
+    layers += [nn.Linear(4096, 4096) for _ in range(placed - placed // 2)]
+x = torch.randn(4, 4096, device="superchip")
+for layer in layers:
+    x = torch.tanh(layer(x))
+print(json.dumps(dict(msg=msg, placed=placed, host=host, again=len(layers),
+                      finite=bool(torch.isfinite(x).all()), tier=superchip.tier_of(layers[-1].weight))))
+"""
+        r = run_python(code, env={"SUPERCHIP_HBM_BYTES": "64M", "SUPERCHIP_HOST_BYTES": "",
+                                  "SUPERCHIP_EXECUTOR": "cpu"})
+    assert r.returncode == 0, f"rc {r.returncode} (-9: killed by the kernel)\n{r.stdout}\n{r.stderr}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    msg = out["msg"]
+    assert "out of memory in both tiers of superchip:0: tried to allocate 64.00 MiB" in msg, msg
+    assert "tier 'host'" in msg and "(capacity unlimited" in msg, msg
+    assert "this machine cannot hold it" in msg and "memory cgroup /" in msg, msg
+    assert "limit 1.50 GiB" in msg and "SUPERCHIP_HOST_MEMORY_CHECK=0" in msg, msg
+    assert "Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES" not in msg, msg
+    assert 8 <= out["placed"] < 24, out                      # about 1.5 GiB less the reserve and torch
+    assert out["host"] < 1536 * MiB, out
+    assert out["again"] == out["placed"] and out["finite"] and out["tier"] == "host", out
