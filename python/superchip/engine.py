@@ -483,6 +483,11 @@ class Engine:
             self.counts["deferred_buckets"] += 1
             return  # stepped at step() (Note [Speculation and host memory])
         params = self.buckets[b]
+        try:
+            self.opt._prepare_state(params)
+        except torch.OutOfMemoryError:
+            self.counts["deferred_buckets"] += 1
+            return  # no room for its state: step() makes it, or says why it cannot
         parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
         if parts is None:
             return
@@ -507,6 +512,10 @@ class Engine:
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
             self.probe_bucket = None
         self._plan()
+        # Before any step is queued, in the tiers the plan chose (tail buckets: hbm): the state
+        # of every parameter to step, or an error that leaves parameters, state and counts as
+        # they were (Note [State and out of memory] in optim.py).
+        self.opt._prepare_state([p for b in self.buckets for p in b if p.grad is not None])
         if self.buckets and self.can_speculate:
             self._host_sample()  # the gradients are in (Note [Speculation and host memory])
         self._mark_leads()

@@ -168,6 +168,53 @@ class _FusedOptimizer(torch.optim.Optimizer):
             state["master_param"] = self._new_state(p, p)
         return state["master_param"]
 
+    # Note [State and out of memory]
+    # A parameter's state (moments, its fp32 master, a momentum buffer: 4 bytes per element
+    # each, in the host tier) is created at its first step. Created one tensor at a time inside
+    # the step, an OutOfMemoryError part way through left a parameter with "step" and no
+    # moments (every later step raised KeyError: 'exp_avg'), step counts advanced for
+    # parameters never stepped (a retried step would correct its bias with the wrong count),
+    # SGD buffers that a retry took for old ones, and, under the engine, some buckets
+    # submitted and others not. So a step first creates all the state it will need, for every
+    # parameter it steps, or none of it: on an error what this call created is removed again
+    # and the error raised with parameters, state and counts as they were; the step, or a
+    # retry once memory is free, then goes on as if the error had not happened. The
+    # speculation of a bucket whose state finds no room is not made (the bucket is stepped
+    # at step(), which raises if there is still none). load_state_dict is all or nothing too.
+
+    def _missing_state(self, group: dict, p, state: dict) -> list:
+        """(key, make) for each state tensor ``p`` lacks before its next step."""
+        if p.dtype in _LOW_PRECISION and "master_param" not in state:
+            return [("master_param", lambda: self._new_state(p, p))]
+        return []
+
+    def _prepare_state(self, params) -> None:
+        """Creates the state ``params`` lack, all of it or none (Note [State and out of memory])."""
+        index = self._group_index()
+        made, fresh = [], []
+        try:
+            for p in params:
+                if p not in self.state:
+                    fresh.append(p)
+                state = self.state[p]
+                for key, make in self._missing_state(self.param_groups[index[p]], p, state):
+                    state[key] = make()
+                    made.append((p, key))
+        except BaseException:
+            for p, key in reversed(made):
+                del self.state[p][key]
+            for p in fresh:
+                if not self.state.get(p):
+                    self.state.pop(p, None)
+            raise
+        self._state_made(made)
+
+    def _state_made(self, made: list) -> None:
+        """What _prepare_state created, once all of it was (SGD notes its new buffers)."""
+
+    def _state_loaded(self) -> None:
+        """After load_state_dict replaced the state (SGD forgets which buffers were new)."""
+
     # ---- the engine's hooks into the optimizer (engine.py) ----
 
     def _group_index(self) -> dict:
@@ -251,6 +298,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             pid: {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
             for pid, st in state_dict["state"].items()
         }
+        # All or nothing (Note [State and out of memory]): an error part way (no room in the
+        # host tier) puts the state and groups back as they were.
+        before = {"state": self.state, "param_groups": self.param_groups}
+        try:
+            self._load_state(state_dict, saved)
+        except BaseException:
+            self.__setstate__(before)
+            raise
+        self._state_loaded()
+
+    def _load_state(self, state_dict: dict, saved: dict) -> None:
         super().load_state_dict(state_dict)
         ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
@@ -313,6 +371,16 @@ class Adam(_FusedOptimizer):
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
 
+    def _missing_state(self, group: dict, p, state: dict) -> list:
+        missing = []
+        if "step" not in state:
+            missing += [("step", lambda: torch.tensor(0.0, dtype=torch.float32)),
+                        ("exp_avg", lambda: self._new_state(p)),
+                        ("exp_avg_sq", lambda: self._new_state(p))]
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            missing.append(("max_exp_avg_sq", lambda: self._new_state(p)))
+        return missing + super()._missing_state(group, p, state)
+
     def _init_state(self, group: dict, p) -> dict:
         state = self.state[p]
         if "step" not in state:
@@ -368,6 +436,7 @@ class Adam(_FusedOptimizer):
         if self._engine.overlap:
             self._engine.step()
             return loss
+        self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
         for group, params in zip(self.param_groups, groups):
             if not params:
@@ -442,9 +511,12 @@ class SGD(_FusedOptimizer):
             grads.append(p.grad if given is None else given[p])
             masters.append(self._master(p, state))
             if momentum != 0.0:
-                is_new = state.get("momentum_buffer") is None
-                if is_new:
+                # A buffer _prepare_state made for this step is new too: torch's first step
+                # copies the gradient into it (no dampening).
+                is_new = state.get("momentum_buffer") is None or p in self._new_buffers
+                if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = self._new_state(p)
+                self._new_buffers.discard(p)
                 buffers.append(state["momentum_buffer"])
                 first.append(is_new)
             else:
@@ -454,6 +526,23 @@ class SGD(_FusedOptimizer):
         return (params, grads, masters, buffers, first, _scalar(group["lr"], "lr"),
                 momentum, float(group["dampening"]), float(group["weight_decay"]),
                 bool(group["nesterov"]), bool(group["maximize"]))
+
+    @property
+    def _new_buffers(self) -> set:
+        """Parameters whose momentum buffer was made by _prepare_state and not stepped yet."""
+        return self.__dict__.setdefault("_new_buffers_set", set())
+
+    def _missing_state(self, group: dict, p, state: dict) -> list:
+        missing = super()._missing_state(group, p, state)
+        if float(group["momentum"]) != 0.0 and state.get("momentum_buffer") is None:
+            missing.append(("momentum_buffer", lambda: self._new_state(p)))
+        return missing
+
+    def _state_made(self, made: list) -> None:
+        self._new_buffers.update(p for p, key in made if key == "momentum_buffer")
+
+    def _state_loaded(self) -> None:
+        self._new_buffers.clear()  # the buffers now are the loaded ones, or none
 
     def _engine_advance_steps(self) -> None:
         pass
@@ -473,6 +562,7 @@ class SGD(_FusedOptimizer):
         if self._engine.overlap:
             self._engine.step()
             return loss
+        self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
         for group, params in zip(self.param_groups, groups):
             if params:

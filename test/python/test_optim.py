@@ -303,3 +303,141 @@ def test_rejected_parameter_leaves_every_step_count_unchanged():
         opt.step()
     assert "step" not in opt.state[good]
     assert torch.equal(good.detach().cpu(), before)
+
+
+OOM_CASES = {
+    "adamw-fp32": (torch.float32, lambda ps, ov: superchip.optim.AdamW(ps, lr=1e-2, overlap=ov)),
+    "adam-amsgrad-bf16": (torch.bfloat16, lambda ps, ov: superchip.optim.Adam(
+        ps, lr=1e-2, amsgrad=True, weight_decay=0.1, overlap=ov)),
+    "sgd-dampening": (torch.float32, lambda ps, ov: superchip.optim.SGD(
+        ps, lr=1e-2, momentum=0.9, dampening=0.5, weight_decay=0.1, overlap=ov)),
+}
+
+
+def _oom_model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to("superchip", dtype)
+
+
+def _host_state_room(nbytes: int):
+    """Cuts the host budget to what is in use plus `nbytes`; returns the budget to restore."""
+    old = superchip.memory_stats()["host.capacity_bytes"]
+    superchip.set_capacity("host", superchip.memory_stats()["host.allocated_bytes"] + nbytes)
+    return old
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "engine"])
+@pytest.mark.parametrize("case", list(OOM_CASES))
+def test_a_first_step_without_room_for_its_state_changes_nothing(case, overlap):
+    # Note [State and out of memory] (optim.py): state made one tensor at a time inside the
+    # step left, on an OutOfMemoryError part way, a parameter with "step" and no moments (the
+    # retried step raised KeyError: 'exp_avg'), or SGD buffers the retry took for old ones
+    # (dampening applied to the first step: other bits). Now the step raises with nothing
+    # changed, and a retry once there is room gives the bits of a run that never failed.
+    dtype, make = OOM_CASES[case]
+    x = torch.randn(8, 256).to("superchip", dtype)
+
+    def run(cut: bool):
+        model = _oom_model(dtype)
+        opt = make(model.parameters(), overlap)
+        losses = []
+        for it in range(3):
+            loss = model(x).float().square().mean()
+            loss.backward()
+            if cut and it == 0:
+                params = [p.detach().clone() for p in model.parameters()]
+                old = _host_state_room(600 * 1024)  # the first weight's state, not all of it
+                try:
+                    with pytest.raises(torch.OutOfMemoryError, match="tier 'host'"):
+                        opt.step()
+                        torch.superchip.synchronize()
+                finally:
+                    superchip.set_capacity("host", old)
+                assert opt.state_dict()["state"] == {}
+                assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+                assert opt.offload_stats()["steps"] == 0
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        torch.superchip.synchronize()
+        return losses, [p.detach().cpu() for p in model.parameters()], opt.state_dict()["state"]
+
+    want, got = run(cut=False), run(cut=True)
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert got[2].keys() == want[2].keys()
+    for i in want[2]:
+        assert got[2][i].keys() == want[2][i].keys()
+        for k, v in want[2][i].items():
+            assert torch.equal(got[2][i][k].cpu(), v.cpu()), (i, k)
+
+
+def test_sgd_buffers_made_before_a_load_are_not_taken_for_new():
+    # SGD marks the momentum buffers _prepare_state made as new (torch's first step copies the
+    # gradient into them, no dampening). State made for a step that never ran, then replaced
+    # by load_state_dict, must not leave that mark on the loaded buffers.
+    x = torch.randn(8, 256)
+    make = lambda ps: dict(params=ps, lr=1e-2, momentum=0.9, dampening=0.5)
+    src, ref_model = _oom_model(torch.float32), _oom_model(torch.float32).cpu()
+    src_opt = superchip.optim.SGD(**make(src.parameters()), overlap=False)
+    src(x.to("superchip")).square().mean().backward()
+    src_opt.step()
+    src_opt.zero_grad()
+    model = _oom_model(torch.float32)
+    opt = superchip.optim.SGD(**make(model.parameters()), overlap=False)
+    opt._prepare_state(list(model.parameters()))  # as a step that then raised would
+    saved = src_opt.state_dict()
+    opt.load_state_dict(saved)
+    model.load_state_dict(src.state_dict())
+    ref_model.load_state_dict({k: v.cpu() for k, v in src.state_dict().items()})
+    ref = torch.optim.SGD(**make(ref_model.parameters()))
+    ref.load_state_dict({"state": {i: {k: v.cpu() for k, v in s.items()} for i, s in saved["state"].items()},
+                         "param_groups": saved["param_groups"]})
+    for m, o, xs in ((model, opt, x.to("superchip")), (ref_model, ref, x)):
+        m(xs).square().mean().backward()
+        o.step()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "engine"])
+def test_load_state_dict_without_room_changes_nothing(overlap):
+    # Note [State and out of memory]: load_state_dict rebuilds the state as fp32 host-tier
+    # tensors; an OutOfMemoryError part way left some of it loaded (the rest cast to the
+    # parameter's dtype in hbm) and the new groups in place. Now all is as before the call.
+    x = torch.randn(8, 256).to("superchip", torch.bfloat16)
+    src_model, model = _oom_model(torch.bfloat16), _oom_model(torch.bfloat16)
+    src = superchip.optim.AdamW(src_model.parameters(), lr=3e-2, overlap=overlap)
+    opt = superchip.optim.AdamW(model.parameters(), lr=1e-2, overlap=overlap)
+    for o, m, steps in ((src, src_model, 2), (opt, model, 1)):
+        for _ in range(steps):
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    saved = src.state_dict()
+    before = opt.state_dict()
+    before = {"state": {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in before["state"].items()},
+              "param_groups": [dict(g) for g in before["param_groups"]]}
+    old = _host_state_room(600 * 1024)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="tier 'host'"):
+            opt.load_state_dict(saved)
+    finally:
+        superchip.set_capacity("host", old)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for i, s in before["state"].items():
+        assert after["state"][i].keys() == s.keys()
+        for k, v in s.items():
+            assert after["state"][i][k].dtype == v.dtype and torch.equal(after["state"][i][k].cpu(), v), (i, k)
+    for s in opt.state.values():
+        assert all(superchip.tier_of(v) == "host" for k, v in s.items() if k != "step")
+    # With room, the load succeeds and the two step alike.
+    opt.load_state_dict(saved)
+    model.load_state_dict(src_model.state_dict())
+    for o, m in ((src, src_model), (opt, model)):
+        m(x).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    torch.superchip.synchronize()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(src_model.parameters(), model.parameters()))
