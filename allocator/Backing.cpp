@@ -1,12 +1,16 @@
 #include "allocator/Backing.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -79,12 +83,82 @@ void bind_to_node(void* ptr, size_t bytes, int node) noexcept {
 // and asks again; a second refusal raises OutOfTierMemory naming the machine's figures, so
 // placement spills, the engine abandons a speculation and the user reads what was wrong, as
 // for a budget. Limits, said in the README: the figures are the kernel's at the moment of the
-// request, so blocks mapped and not yet written do not count against the next one, nor does
-// memory other allocators (torch's CPU tensors) take later; swap is not counted (training on
-// swap is not a working configuration), SUPERCHIP_HOST_MEMORY_CHECK=0 turns the check off.
-// Smaller blocks are not checked. A read takes about 40 us (/proc/meminfo and the cgroup's
-// files; v1's memory.stat is the dear one), so figures are reused for 50 ms less what was
-// mapped since, and read again before any refusal.
+// request, less what superchip's own blocks will still take (Note [Blocks mapped and not
+// yet written]); memory other allocators (torch's CPU tensors) take later is not foreseen;
+// swap is not counted (training on swap is not a working configuration),
+// SUPERCHIP_HOST_MEMORY_CHECK=0 turns the check off. Smaller blocks are not checked. A read
+// takes about 40 us (/proc/meminfo and the cgroup's files; v1's memory.stat is the dear one),
+// so figures are reused for 50 ms less what was mapped since, and read again before any
+// refusal.
+
+// Note [Blocks mapped and not yet written]
+// MemAvailable and the cgroup's use count pages, and a mapped block has none until it is
+// written: `torch.empty` of a large buffer filled later, or a cached block reused, took
+// nothing from the figures, so every later request was measured against memory already
+// promised (measured: three blocks of 40% of the headroom, 60 ms apart, all granted).
+// Every checked block therefore stays in a process-wide list (both backings: host tier and
+// emulated hbm) until its pages are all resident, and a fresh read subtracts the pages of
+// the list that are not (mincore(2); pages swapped out count as not written, which errs on
+// the side of refusing). Blocks leave the list once written through, or when released, so
+// the walk is over blocks still being filled or never filled: at most a few.
+
+class UnwrittenBlocks {
+ public:
+  static UnwrittenBlocks& instance() {
+    static UnwrittenBlocks* blocks = new UnwrittenBlocks();  // used by release() at exit
+    return *blocks;
+  }
+
+  void add(void* ptr, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_.emplace_back(static_cast<char*>(ptr), bytes);
+  }
+
+  void remove(void* ptr) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_.erase(std::remove_if(blocks_.begin(), blocks_.end(),
+                                 [ptr](const auto& b) { return b.first == ptr; }),
+                  blocks_.end());
+  }
+
+  // Bytes of the listed blocks not resident yet; forgets the blocks that are all resident.
+  size_t bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t total = 0;
+    std::vector<std::pair<char*, size_t>> keep;
+    for (const auto& [ptr, size] : blocks_) {
+      const std::optional<size_t> missing = not_resident(ptr, size);
+      if (missing && *missing > 0) {
+        total += *missing;
+        keep.emplace_back(ptr, size);
+      }
+      // mincore failing (never expected on our own mapping) drops the block, as if written.
+    }
+    blocks_ = std::move(keep);
+    return total;
+  }
+
+ private:
+  std::optional<size_t> not_resident(char* ptr, size_t size) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    constexpr size_t kChunkPages = 16384;  // 64 MiB of 4 KiB pages per call
+    vec_.resize(kChunkPages);
+    size_t missing = 0;
+    for (size_t off = 0; off < size; off += kChunkPages * page) {
+      const size_t len = std::min(size - off, kChunkPages * page);
+      if (mincore(ptr + off, len, vec_.data()) != 0) return std::nullopt;
+      const size_t pages = (len + page - 1) / page;
+      for (size_t i = 0; i < pages; ++i) {
+        if ((vec_[i] & 1) == 0) missing += std::min(page, len - i * page);
+      }
+    }
+    return missing;
+  }
+
+  std::mutex mu_;
+  std::vector<std::pair<char*, size_t>> blocks_;
+  std::vector<unsigned char> vec_;
+};
 
 class HostBacking final : public Backing {
  public:
@@ -107,6 +181,14 @@ class HostBacking final : public Backing {
       block.mapped = true;
       bind_to_node(p, bytes, numa_node_);
       if (pin_) block.pinned = try_pin(p, bytes);
+      if (check_memory_ && bytes >= kMmapThreshold) {
+        try {
+          UnwrittenBlocks::instance().add(p, bytes);
+        } catch (...) {
+          release(block);
+          throw;
+        }
+      }
     } else {
       void* p = nullptr;
       if (posix_memalign(&p, kBlockAlignment, bytes) != 0) return RawBlock{};
@@ -127,6 +209,7 @@ class HostBacking final : public Backing {
     }
 #endif
     if (block.mapped) {
+      UnwrittenBlocks::instance().remove(block.ptr);  // before the range can be mapped again
       if (munmap(block.ptr, block.bytes) != 0) {
         std::fprintf(stderr, "superchip: munmap(%p, %zu) failed: errno %d\n", block.ptr,
                      block.bytes, errno);
@@ -153,20 +236,28 @@ class HostBacking final : public Backing {
       mapped_since_read_ += bytes;
       return true;
     }
+    // The blocks before the figures: a page written between the two then counts twice, which
+    // refuses early, rather than not at all.
+    const size_t unwritten = UnwrittenBlocks::instance().bytes();
     figures_ = read_host_memory();
     read_at_ = now;
-    mapped_since_read_ = 0;
+    mapped_since_read_ = unwritten;
     if (!figures_) {
       unreadable_ = true;  // not Linux, or no /proc: nothing to check against
       return true;
     }
-    if (fits(*figures_, bytes)) {
-      mapped_since_read_ = bytes;
+    if (fits(*figures_, unwritten + bytes)) {
+      mapped_since_read_ = unwritten + bytes;
       return true;
     }
-    shortage_ = "this machine cannot hold it: " + figures_->describe() +
-                ", of which superchip leaves " + format_bytes(host_memory_reserve(figures_->limit())) +
-                " free for the rest of the process";
+    shortage_ = "this machine cannot hold it: " + figures_->describe();
+    if (unwritten > 0) {
+      shortage_ += ", less " + format_bytes(unwritten) +
+                   " that superchip's blocks will take when their pages are first written";
+    }
+    shortage_ += ", of which superchip leaves " +
+                 format_bytes(host_memory_reserve(figures_->limit())) +
+                 " free for the rest of the process";
     return false;
   }
 
@@ -208,6 +299,12 @@ class HostBacking final : public Backing {
   size_t mapped_since_read_ = 0;
   bool unreadable_ = false;
 };
+
+}  // namespace
+
+size_t host_blocks_unwritten_bytes() { return UnwrittenBlocks::instance().bytes(); }
+
+namespace {
 
 // ---- CUDA device memory ----
 

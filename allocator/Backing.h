@@ -61,6 +61,10 @@ std::unique_ptr<Backing> make_hbm_backing(const MemoryConfig& config);
 // Backing.cpp); so is one of the emulated hbm pool.
 std::unique_ptr<Backing> make_host_backing(const MemoryConfig& config);
 
+// Bytes of the checked host blocks (both backings) whose pages are not resident yet, which
+// the machine check counts as taken (Note [Blocks mapped and not yet written] in Backing.cpp).
+size_t host_blocks_unwritten_bytes();
+
 #ifdef SUPERCHIP_HAVE_CUDA
 namespace detail {
 // Throws std::runtime_error naming the call, file:line and cudaGetErrorString(err).
