@@ -548,6 +548,7 @@ class Engine:
             for parts in tail_parts:
                 self.opt._engine_inline(parts)
             self.inline_seconds += time.perf_counter() - t0
+        self.opt._stepped([p for b in self.buckets for p in b if p.grad is not None])
         self._end_step(stepped=True)
 
     def _end_step(self, stepped: bool) -> None:

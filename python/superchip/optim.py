@@ -215,6 +215,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _state_loaded(self) -> None:
         """After load_state_dict replaced the state (SGD forgets which buffers were new)."""
 
+    def _stepped(self, params) -> None:
+        """After a step of ``params`` was run or queued (SGD: their buffers are not new)."""
+
     # ---- the engine's hooks into the optimizer (engine.py) ----
 
     def _group_index(self) -> dict:
@@ -292,35 +295,84 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._engine.rollback_unstepped(skipped=False)
             self._engine.synchronize()
         # torch's loader casts every state tensor to the parameter's dtype and device, which
-        # would round fp32 moments of a bf16 parameter to bf16 and put them in hbm. Keep the
-        # saved values aside and rebuild the state as fp32 host-tier tensors afterwards.
+        # would round fp32 moments of a bf16 parameter to bf16 and put them in hbm (and hold a
+        # copy of the whole state meanwhile). It gets the state without them; they are loaded
+        # afterwards as fp32 tensors in the state's tier.
+        keys = set(self._STATE_KEYS) | {"master_param"}
         saved = {
-            pid: {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
+            pid: {k: v for k, v in st.items() if k in keys and isinstance(v, torch.Tensor)}
             for pid, st in state_dict["state"].items()
         }
+        rest = dict(state_dict)
+        rest["state"] = {pid: {k: v for k, v in st.items() if k not in saved[pid]}
+                         for pid, st in state_dict["state"].items()}
         # All or nothing (Note [State and out of memory]): an error part way (no room in the
         # host tier) puts the state and groups back as they were.
         before = {"state": self.state, "param_groups": self.param_groups}
         try:
-            self._load_state(state_dict, saved)
+            self._load_state(rest, saved, self.state)
         except BaseException:
             self.__setstate__(before)
             raise
         self._state_loaded()
 
-    def _load_state(self, state_dict: dict, saved: dict) -> None:
+    def _load_state(self, state_dict: dict, saved: dict, old: dict) -> None:
+        # Note [Loading state in place]: holding the old state until the load succeeded (all
+        # or nothing) must not double the state's memory for a reload in the same process (a
+        # rollback after a loss spike): a loaded value goes into the parameter's old tensor of
+        # that key where it can (fp32, its shape, its tier, read by no other value of this
+        # load), else into a new one. Every tensor is allocated first, and nothing is written
+        # before all of them exist; the copies then cannot fail (shapes checked first).
+        from . import tier_of
+
         super().load_state_dict(state_dict)
         ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         by_id = dict(zip(ids, params))
+        sources = {}  # storage of each superchip value loaded -> how many values read it
+        for tensors in saved.values():
+            for value in tensors.values():
+                if value.device.type == "superchip" and not _dist.is_dtensor(value):
+                    ptr = value.untyped_storage().data_ptr()
+                    sources[ptr] = sources.get(ptr, 0) + 1
+
+        def same(value, t):  # value is t's own bytes (a reload of this optimizer's state_dict())
+            return (value.device == t.device and not _dist.is_dtensor(value) and value.dtype == t.dtype
+                    and value.is_contiguous() and value.numel() == t.numel()
+                    and value.data_ptr() == t.data_ptr()
+                    and value.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+
+        def target(p, key, value):
+            t = old.get(p, {}).get(key)
+            if (isinstance(t, torch.Tensor) and p.device.type == "superchip" and not _dist.is_dtensor(p)
+                    and t.device == p.device and t.dtype == torch.float32 and t.shape == p.shape
+                    and t.is_contiguous() and tier_of(t) == self._tier(p)):
+                reads = sources.get(t.untyped_storage().data_ptr(), 0)
+                if reads == int(value is not None and same(value, t)):  # no other value reads it
+                    return t
+            return None
+
+        copies = []  # (state, key, p, the tensor, value): allocation first, copies after
         for pid, tensors in saved.items():
             p = by_id[pid]
             state = self.state[p]
             for key, value in tensors.items():
-                if key in self._STATE_KEYS or key == "master_param":
-                    state[key] = self._new_state(p, value)
-            if p.dtype in _LOW_PRECISION and "master_param" not in state:
-                state["master_param"] = self._new_state(p, p)
+                if value.numel() != p.numel():
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: state '{key}' of parameter {pid} "
+                        f"has {value.numel()} elements but the parameter has shape "
+                        f"{tuple(p.shape)}; the checkpoint is of another model.")
+                copies.append((state, key, p, target(p, key, value), value))
+            if p.dtype in _LOW_PRECISION and "master_param" not in tensors:
+                copies.append((state, "master_param", p, target(p, "master_param", None), p))
+        for i, (state, key, p, t, value) in enumerate(copies):
+            if t is None:
+                copies[i] = (state, key, p, self._new_state(p, value), None)
+        for state, key, p, t, value in copies:
+            if value is not None and not same(value, t):
+                _C._copy_into_state(t, value.detach().reshape(p.shape))
+            state[key] = t
+        for state in self.state.values():
             if "step" in state:
                 # A fresh CPU tensor: torch's loader hands over the caller's own step tensor,
                 # which step() increments in place.
@@ -441,9 +493,11 @@ class Adam(_FusedOptimizer):
         for group, params in zip(self.param_groups, groups):
             if not params:
                 continue
+            # The counts advance once the kernel returned: it may still raise before it
+            # changed anything (no room to stage an operand), and a retry must see the same.
+            _C._adam_step(*self._group_args(group, params, 1))
             for p in params:
-                self._init_state(group, p)["step"] += 1
-            _C._adam_step(*self._group_args(group, params, 0))
+                self.state[p]["step"] += 1
         self._engine.inline_seconds += time.perf_counter() - t0
         self._engine.counts["steps"] += 1
         return loss
@@ -516,7 +570,6 @@ class SGD(_FusedOptimizer):
                 is_new = state.get("momentum_buffer") is None or p in self._new_buffers
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = self._new_state(p)
-                self._new_buffers.discard(p)
                 buffers.append(state["momentum_buffer"])
                 first.append(is_new)
             else:
@@ -544,6 +597,9 @@ class SGD(_FusedOptimizer):
     def _state_loaded(self) -> None:
         self._new_buffers.clear()  # the buffers now are the loaded ones, or none
 
+    def _stepped(self, params) -> None:
+        self._new_buffers.difference_update(params)  # their buffers hold a step now
+
     def _engine_advance_steps(self) -> None:
         pass
 
@@ -567,6 +623,7 @@ class SGD(_FusedOptimizer):
         for group, params in zip(self.param_groups, groups):
             if params:
                 _C._sgd_step(*self._group_args(group, params, 0))
+                self._stepped(params)
         self._engine.inline_seconds += time.perf_counter() - t0
         self._engine.counts["steps"] += 1
         return loss

@@ -399,6 +399,49 @@ def test_sgd_buffers_made_before_a_load_are_not_taken_for_new():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
+@pytest.mark.parametrize("case", ["adamw", "sgd-dampening"])
+def test_a_step_whose_kernel_finds_no_room_changes_nothing(case):
+    # The fused kernel stages an operand it cannot address as it is (here a parameter and a
+    # gradient that are not contiguous; on a GPU, hbm operands into pinned memory) and that
+    # copy can run out of memory after the state exists. Adam's step counts were advanced
+    # and SGD's new buffers marked old before the kernel ran, so the retry corrected its bias
+    # with the wrong count, or applied dampening to a first step: other bits than a run that
+    # never failed. Now the counts and marks change once the kernel returned.
+    make = {"adamw": lambda ps: superchip.optim.AdamW(ps, lr=1e-2, overlap=False),
+            "sgd-dampening": lambda ps: superchip.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5,
+                                                             overlap=False)}[case]
+
+    def run(cut: bool):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(256, 256).to("superchip").t())
+        opt = make([w])
+        x = torch.randn(8, 256).to("superchip")
+        for it in range(3):
+            (x @ w).square().mean().backward()
+            assert not w.is_contiguous() and not w.grad.is_contiguous()
+            if cut and it == 0:
+                opt._prepare_state([w])  # the state fits; the staging copy (256 KiB) does not
+                superchip.empty_cache()
+                st = superchip.memory_stats()
+                old = st["hbm.capacity_bytes"], st["host.capacity_bytes"]
+                superchip.set_capacity("hbm", st["hbm.allocated_bytes"] + 64 * 1024)
+                superchip.set_capacity("host", st["host.allocated_bytes"] + 64 * 1024)
+                try:
+                    with pytest.raises(torch.OutOfMemoryError, match="both tiers"):
+                        opt.step()
+                finally:
+                    superchip.set_capacity("hbm", old[0])
+                    superchip.set_capacity("host", old[1])
+            opt.step()
+            opt.zero_grad()
+        return w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}
+
+    (want, want_state), (got, got_state) = run(False), run(True)
+    assert torch.equal(got, want)
+    assert got_state.keys() == want_state.keys()
+    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "engine"])
 def test_load_state_dict_without_room_changes_nothing(overlap):
     # Note [State and out of memory]: load_state_dict rebuilds the state as fp32 host-tier
@@ -411,6 +454,9 @@ def test_load_state_dict_without_room_changes_nothing(overlap):
     for o, m, steps in ((src, src_model, 2), (opt, model, 1)):
         for _ in range(steps):
             m(x).float().square().mean().backward()
+            if o is opt:  # half the layers without state: the load must make theirs
+                for p in m[3:].parameters():
+                    p.grad = None
             o.step()
             o.zero_grad()
     saved = src.state_dict()
@@ -432,8 +478,14 @@ def test_load_state_dict_without_room_changes_nothing(overlap):
             assert after["state"][i][k].dtype == v.dtype and torch.equal(after["state"][i][k].cpu(), v), (i, k)
     for s in opt.state.values():
         assert all(superchip.tier_of(v) == "host" for k, v in s.items() if k != "step")
-    # With room, the load succeeds and the two step alike.
+    # With room, the load succeeds and the two step alike. Its only new host memory is the
+    # state of the layers that had none (Note [Loading state in place]): the rest is loaded
+    # into the tensors there were.
+    superchip.reset_peak_memory_stats()
+    base = superchip.memory_stats()["host.allocated_bytes"]
     opt.load_state_dict(saved)
+    state_bytes = sum(p.numel() * 4 * 3 for p in model[3:].parameters())  # fp32 master, 2 moments
+    assert superchip.memory_stats()["host.peak_allocated_bytes"] - base <= state_bytes + 64 * 1024
     model.load_state_dict(src_model.state_dict())
     for o, m in ((src, src_model), (opt, model)):
         m(x).float().square().mean().backward()
