@@ -88,7 +88,8 @@ void bind_to_node(void* ptr, size_t bytes, int node) noexcept {
 // swap is not counted (training on swap is not a working configuration),
 // SUPERCHIP_HOST_MEMORY_CHECK=0 turns the check off. Smaller blocks are not checked. A read
 // takes about 40 us (/proc/meminfo and the cgroup's files; v1's memory.stat is the dear one),
-// so figures are reused for 50 ms less what was mapped since, and read again before any
+// so figures are reused for 50 ms less what was mapped since (one reading and one count for
+// the whole process, every backing that checks: MachineFigures), and read again before any
 // refusal.
 
 // Note [Blocks mapped and not yet written]
@@ -160,6 +161,68 @@ class UnwrittenBlocks {
   std::vector<unsigned char> vec_;
 };
 
+// The figures the check reads, one copy for the process: every backing that checks (each
+// device's host tier and emulated hbm) grants against the same reading and the same count of
+// what was mapped since, so two cannot each grant the whole headroom within kFresh.
+class MachineFigures {
+ public:
+  static MachineFigures& instance() {
+    static MachineFigures* figures = new MachineFigures();
+    return *figures;
+  }
+
+  // The figures read are kept for kFresh, less what was mapped since: a request that fits
+  // them does not read again, one that does not is decided on a fresh read.
+  bool holds(size_t bytes, std::string* shortage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (unreadable_) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (figures_ && now - read_at_ < kFresh && fits(*figures_, mapped_since_read_ + bytes)) {
+      mapped_since_read_ += bytes;
+      return true;
+    }
+    // The blocks before the figures: a page written between the two then counts twice, which
+    // refuses early, rather than not at all.
+    const size_t unwritten = UnwrittenBlocks::instance().bytes();
+    figures_ = read_host_memory();
+    read_at_ = now;
+    mapped_since_read_ = unwritten;
+    if (!figures_) {
+      // Not Linux, or no /proc: nothing to check against, for good. A read that failed for
+      // another reason (out of file descriptors) lets this block through and reads again.
+      unreadable_ = ::access("/proc/meminfo", F_OK) != 0 && errno == ENOENT;
+      return true;
+    }
+    if (fits(*figures_, unwritten + bytes)) {
+      mapped_since_read_ = unwritten + bytes;
+      return true;
+    }
+    *shortage = "this machine cannot hold it: " + figures_->describe();
+    if (unwritten > 0) {
+      *shortage += ", less " + format_bytes(unwritten) +
+                   " that superchip's blocks will take when their pages are first written";
+    }
+    *shortage += ", of which superchip leaves " +
+                 format_bytes(host_memory_reserve(figures_->limit())) +
+                 " free for the rest of the process";
+    return false;
+  }
+
+ private:
+  static bool fits(const HostMemory& m, size_t bytes) noexcept {
+    const size_t reserve = host_memory_reserve(m.limit());
+    const size_t room = m.headroom();
+    return room >= reserve && bytes <= room - reserve;
+  }
+
+  static constexpr std::chrono::milliseconds kFresh{50};
+  std::mutex mu_;
+  std::optional<HostMemory> figures_;
+  std::chrono::steady_clock::time_point read_at_{};
+  size_t mapped_since_read_ = 0;
+  bool unreadable_ = false;
+};
+
 class HostBacking final : public Backing {
  public:
   HostBacking(int numa_node, bool pin, const char* name, bool check_memory)
@@ -226,45 +289,9 @@ class HostBacking final : public Backing {
  private:
   // Whether the machine can give this process `bytes` more and keep the reserve (Note [The
   // machine's memory]); when not, shortage_ says why. True when the figures cannot be read.
-  // The figures read are kept for kFresh, less what this backing mapped since: a request
-  // that fits them does not read again, one that does not is decided on a fresh read.
   bool machine_holds(size_t bytes) {
     shortage_.clear();
-    if (unreadable_) return true;
-    const auto now = std::chrono::steady_clock::now();
-    if (figures_ && now - read_at_ < kFresh && fits(*figures_, mapped_since_read_ + bytes)) {
-      mapped_since_read_ += bytes;
-      return true;
-    }
-    // The blocks before the figures: a page written between the two then counts twice, which
-    // refuses early, rather than not at all.
-    const size_t unwritten = UnwrittenBlocks::instance().bytes();
-    figures_ = read_host_memory();
-    read_at_ = now;
-    mapped_since_read_ = unwritten;
-    if (!figures_) {
-      unreadable_ = true;  // not Linux, or no /proc: nothing to check against
-      return true;
-    }
-    if (fits(*figures_, unwritten + bytes)) {
-      mapped_since_read_ = unwritten + bytes;
-      return true;
-    }
-    shortage_ = "this machine cannot hold it: " + figures_->describe();
-    if (unwritten > 0) {
-      shortage_ += ", less " + format_bytes(unwritten) +
-                   " that superchip's blocks will take when their pages are first written";
-    }
-    shortage_ += ", of which superchip leaves " +
-                 format_bytes(host_memory_reserve(figures_->limit())) +
-                 " free for the rest of the process";
-    return false;
-  }
-
-  static bool fits(const HostMemory& m, size_t bytes) noexcept {
-    const size_t reserve = host_memory_reserve(m.limit());
-    const size_t room = m.headroom();
-    return room >= reserve && bytes <= room - reserve;
+    return MachineFigures::instance().holds(bytes, &shortage_);
   }
 
   // Pinning is an optimisation (direct DMA); pageable memory still works, so a failure
@@ -293,11 +320,6 @@ class HostBacking final : public Backing {
   const char* name_;
   bool warned_pin_ = false;
   std::string shortage_;
-  static constexpr std::chrono::milliseconds kFresh{50};
-  std::optional<HostMemory> figures_;
-  std::chrono::steady_clock::time_point read_at_{};
-  size_t mapped_since_read_ = 0;
-  bool unreadable_ = false;
 };
 
 }  // namespace

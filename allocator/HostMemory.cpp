@@ -100,10 +100,16 @@ CgroupPaths cgroup_paths(const std::string& root) {
 }
 
 // The directory of the process's cgroup under `mount`, or `mount` itself when that path is
-// not there (a container sees its own cgroup as the root of the mount).
-std::string cgroup_dir(const std::string& mount, const std::string& path, const char* probe) {
+// not there (a container sees its own cgroup as the root of the mount). The directory, not a
+// file in it: a v2 cgroup whose parent does not enable the memory controller for its children
+// has no memory.max of its own, and its ancestors' limits still bind.
+std::string cgroup_dir(const std::string& mount, const std::string& path) {
   const std::string dir = path == "/" ? mount : mount + path;
-  return exists(dir + "/" + probe) ? dir : mount;
+  return exists(dir) ? dir : mount;
+}
+
+std::string cgroup_name(const std::string& mount, const std::string& dir) {
+  return dir.size() > mount.size() ? dir.substr(mount.size()) : "/";
 }
 
 struct Bound {
@@ -121,7 +127,7 @@ std::optional<Bound> cgroup_v2_bound(const std::string& root, const std::string&
     const std::optional<std::string> controllers = read_text(mount + "/cgroup.controllers");
     if (!controllers || controllers->find("memory") == std::string::npos) continue;
     std::optional<Bound> best;
-    std::string dir = cgroup_dir(mount, path, "memory.max");
+    std::string dir = cgroup_dir(mount, path);
     while (true) {
       const std::optional<size_t> limit = file_number(dir + "/memory.max");
       const std::optional<size_t> current = file_number(dir + "/memory.current");
@@ -131,7 +137,7 @@ std::optional<Bound> cgroup_v2_bound(const std::string& root, const std::string&
         const std::optional<std::string> stat = read_text(dir + "/memory.stat");
         const size_t inactive = stat ? field(*stat, "inactive_file").value_or(0) : 0;
         b.used = *current - std::min(inactive, *current);
-        b.where = dir.size() > mount.size() ? dir.substr(mount.size()) : "/";
+        b.where = cgroup_name(mount, dir);
         if (!best || b.room() < best->room()) best = b;
       }
       if (dir.size() <= mount.size()) break;
@@ -142,26 +148,38 @@ std::optional<Bound> cgroup_v2_bound(const std::string& root, const std::string&
   return std::nullopt;
 }
 
-// v1: memory.limit_in_bytes, or the smaller hierarchical_memory_limit an ancestor sets; the
-// usage includes the children's, as the hierarchical limit counts it.
+// v1: each cgroup from the process's up to the mount's root, its memory.limit_in_bytes
+// against its own usage (which includes its children's, siblings of the process's cgroup too);
+// and the hierarchical_memory_limit of the process's cgroup, which also carries the limits of
+// ancestors the mount does not show (a container), against the usage known there. The one
+// leaving the least room binds.
 std::optional<Bound> cgroup_v1_bound(const std::string& root, const std::string& path) {
   const std::string mount = root + "/sys/fs/cgroup/memory";
-  const std::string dir = cgroup_dir(mount, path, "memory.limit_in_bytes");
-  const std::optional<size_t> limit = file_number(dir + "/memory.limit_in_bytes");
-  const std::optional<size_t> usage = file_number(dir + "/memory.usage_in_bytes");
-  if (!limit || !usage) return std::nullopt;
-  const std::optional<std::string> stat = read_text(dir + "/memory.stat");
-  Bound b;
-  b.limit = *limit;
-  if (stat) {
-    if (const std::optional<size_t> h = field(*stat, "hierarchical_memory_limit")) {
-      b.limit = std::min(b.limit, *h);
+  std::optional<Bound> best;
+  std::string dir = cgroup_dir(mount, path);
+  bool leaf = true;
+  while (true) {
+    const std::optional<size_t> limit = file_number(dir + "/memory.limit_in_bytes");
+    const std::optional<size_t> usage = file_number(dir + "/memory.usage_in_bytes");
+    if (limit && usage) {
+      const std::optional<std::string> stat = read_text(dir + "/memory.stat");
+      const size_t inactive = stat ? field(*stat, "total_inactive_file").value_or(0) : 0;
+      Bound b;
+      b.limit = *limit;
+      if (leaf && stat) {
+        if (const std::optional<size_t> h = field(*stat, "hierarchical_memory_limit")) {
+          b.limit = std::min(b.limit, *h);
+        }
+      }
+      b.used = *usage - std::min(inactive, *usage);
+      b.where = cgroup_name(mount, dir);
+      if (!best || b.room() < best->room()) best = b;
     }
+    leaf = false;
+    if (dir.size() <= mount.size()) break;
+    dir = dir.substr(0, dir.rfind('/'));
   }
-  const size_t inactive = stat ? field(*stat, "total_inactive_file").value_or(0) : 0;
-  b.used = *usage - std::min(inactive, *usage);
-  b.where = dir.size() > mount.size() ? dir.substr(mount.size()) : "/";
-  return b;
+  return best;
 }
 
 }  // namespace

@@ -81,13 +81,15 @@ void* TierAllocator::allocate_impl(size_t nbytes, bool quiet) {
       raw = backing_->allocate(rounded);
     }
     if (raw.ptr == nullptr) {
+      // Why, before another thread's request (while the lock is dropped below) can change it.
+      const std::string shortage = backing_->shortage();
       if (!foreign_released) {
         lock.unlock();
         if (backing_->release_foreign()) continue;
         lock.lock();
       }
       if (quiet) return nullptr;
-      throw_oom(nbytes, true);
+      throw_oom(nbytes, true, shortage);
     }
     try {
       live_.emplace(raw.ptr, LiveBlock{raw, nbytes});
@@ -176,7 +178,7 @@ bool TierAllocator::make_room(size_t bytes) {
   return true;
 }
 
-void TierAllocator::throw_oom(size_t requested, bool backing_exhausted) {
+void TierAllocator::throw_oom(size_t requested, bool backing_exhausted, const std::string& shortage) {
   stats_.num_ooms++;
   const bool hbm = tier_ == Tier::kHbm;
   const int64_t cached = stats_.reserved_bytes - stats_.allocated_bytes;
@@ -189,7 +191,6 @@ void TierAllocator::throw_oom(size_t requested, bool backing_exhausted) {
                     " allocated by tensors, " + format_bytes(size_t(cached)) + " cached";
   if (backing_exhausted) {
     // The budget was not the limit, so raising it would not help.
-    const std::string shortage = backing_->shortage();
     if (shortage.empty()) {
       msg += std::string("; ") + backing_->name() + " has no more free memory). Free tensors";
       if (hbm) msg += ", or move tensors to the host tier with superchip.move_to_tier(t, \"host\")";

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -99,7 +100,8 @@ class TierAllocator {
   // False (nothing changed) when the budget cannot hold `bytes` even with the cache released.
   bool make_room(size_t bytes);
   // backing_exhausted: the backing, not the budget, had no room (its shortage() says why).
-  [[noreturn]] void throw_oom(size_t requested, bool backing_exhausted);
+  // `shortage`: the backing's reason when backing_exhausted (Backing::shortage()).
+  [[noreturn]] void throw_oom(size_t requested, bool backing_exhausted, const std::string& shortage = {});
   void release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept;
   void release_all_cached() noexcept;
   void grow(int64_t allocated, int64_t requested, int64_t reserved) noexcept;

@@ -138,6 +138,43 @@ TEST(HostMemory, CgroupV1UsesTheHierarchicalLimitAndReclaimableFiles) {
   EXPECT_EQ(m->headroom(), 768 * kMiB);
 }
 
+// An ancestor's limit binds against the ancestor's usage, which counts the process's
+// siblings: v1 with the limit on the parent (the leaf's hierarchical limit alone set 1 GiB
+// against the leaf's 50 MiB: 974 MiB of room where 74 MiB were left), and v2 where the leaf
+// has no memory.max at all (its parent does not enable the controller below it: no limit
+// was found).
+TEST(HostMemory, AnAncestorsLimitBindsAgainstItsOwnUsage) {
+  {
+    FakeRoot fs;
+    fs.meminfo(12000);
+    fs.write("/proc/self/cgroup", "4:memory:/pod/job\n");
+    fs.write("/sys/fs/cgroup/memory/pod/memory.limit_in_bytes", std::to_string(kGiB) + "\n");
+    fs.write("/sys/fs/cgroup/memory/pod/memory.usage_in_bytes", std::to_string(950 * kMiB) + "\n");
+    fs.write("/sys/fs/cgroup/memory/pod/job/memory.limit_in_bytes", "9223372036854771712\n");
+    fs.write("/sys/fs/cgroup/memory/pod/job/memory.usage_in_bytes", std::to_string(50 * kMiB) + "\n");
+    fs.write("/sys/fs/cgroup/memory/pod/job/memory.stat",
+             "hierarchical_memory_limit " + std::to_string(kGiB) + "\n");
+    const std::optional<HostMemory> m = read_host_memory(fs.path());
+    ASSERT_TRUE(m.has_value());
+    EXPECT_EQ(m->cgroup, "/pod");
+    EXPECT_EQ(m->headroom(), 74 * kMiB);
+  }
+  {
+    FakeRoot fs;
+    fs.meminfo(12000);
+    fs.write("/proc/self/cgroup", "0::/job/leaf\n");
+    fs.write("/sys/fs/cgroup/cgroup.controllers", "cpu memory pids\n");
+    fs.write("/sys/fs/cgroup/job/memory.max", std::to_string(kGiB) + "\n");
+    fs.write("/sys/fs/cgroup/job/memory.current", std::to_string(600 * kMiB) + "\n");
+    fs.write("/sys/fs/cgroup/job/leaf/cgroup.procs", "1\n");
+    const std::optional<HostMemory> m = read_host_memory(fs.path());
+    ASSERT_TRUE(m.has_value());
+    EXPECT_TRUE(m->cgroup_limited);
+    EXPECT_EQ(m->cgroup, "/job");
+    EXPECT_EQ(m->headroom(), 424 * kMiB);
+  }
+}
+
 TEST(HostMemory, CgroupV1UnlimitedBindsNothing) {
   FakeRoot fs;
   fs.meminfo(5000);
