@@ -1,6 +1,7 @@
 // HostMemory: how much memory this machine can still give the process, read from the kernel:
 // /proc/meminfo's MemAvailable, bounded by the process's memory cgroup (v2: memory.max of its
-// cgroup and every ancestor; v1: the memory controller's effective limit). The host backing
+// cgroup and every ancestor; v1: memory.limit_in_bytes of its cgroup and every ancestor and
+// its hierarchical limit; each against that cgroup's own usage). The host backing
 // asks it before it maps a large block (Note [The machine's memory] in Backing.cpp), so a
 // host tier without a budget fails a request with OutOfTierMemory where the kernel would
 // otherwise kill the process when the pages are first touched.
