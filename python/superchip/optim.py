@@ -361,7 +361,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: state '{key}' of parameter {pid} "
                         f"has {value.numel()} elements but the parameter has shape "
-                        f"{tuple(p.shape)}; the checkpoint is of another model.")
+                        f"{tuple(p.shape)}: the checkpoint is of another model. Load the optimizer state saved "
+                        "with this model; nothing was changed.")
                 copies.append((state, key, p, target(p, key, value), value))
             if p.dtype in _LOW_PRECISION and "master_param" not in tensors:
                 copies.append((state, "master_param", p, target(p, "master_param", None), p))
