@@ -110,11 +110,7 @@ std::vector<c10::intrusive_ptr<c10::StorageImpl>> adam_storages(const std::vecto
   return out;
 }
 
-void step_adam_parts(const std::vector<AdamPart>& parts) {
-  for (const AdamPart& part : parts) {
-    if (!part.group.params.empty()) fused_adam_step(part.group, part.hyper);
-  }
-}
+void step_adam_parts(const std::vector<AdamPart>& parts) { fused_adam_step(parts); }
 
 AdamSpeculation::AdamSpeculation(int64_t owner, std::vector<AdamPart> parts, bool cast_grads_to_fp32,
                                  bool probe)
@@ -201,16 +197,23 @@ void AdamSpeculation::step() {
   TORCH_CHECK(!probe_, "superchip.optim: internal error: a probe is never stepped speculatively");
   if (status_.load() == kAbandoned) return;
   const auto t0 = std::chrono::steady_clock::now();
-  logs_.assign(parts_.size(), {});
-  int64_t bytes = 0, exc = 0;
-  for (size_t k = 0; k < parts_.size(); ++k) {
-    if (parts_[k].group.params.empty()) continue;
-    fused_adam_step(parts_[k].group, parts_[k].hyper, &logs_[k]);
-    bytes += logs_[k].bytes();
-    exc += logs_[k].escape_count();
+  try {
+    // All parts or none (Note [A step is all or nothing] in optim/FusedStep.h): a staging copy
+    // that finds no room raises before anything is written, and the speculation is abandoned
+    // like one whose snapshot found none. Stepped part by part, a later part's error left the
+    // earlier ones stepped outside the undo log (validation then stepped them a second time),
+    // and the error reached the training thread at its next wait.
+    fused_adam_step(parts_, &logs_);
+  } catch (const c10::OutOfMemoryError&) {
+    logs_ = AdamUndoLogs();
+    release_snapshots();
+    int expected = kQueued;
+    status_.compare_exchange_strong(expected, kAbandoned);
+    seconds_ = seconds_.load() + seconds_since(t0);
+    return;
   }
-  undo_bytes_ = bytes;
-  escapes_ = exc;
+  undo_bytes_ = logs_.bytes();
+  escapes_ = logs_.escape_count();
   seconds_ = seconds_.load() + seconds_since(t0);
   int expected = kQueued;
   status_.compare_exchange_strong(expected, kSpeculated);
@@ -221,11 +224,8 @@ void AdamSpeculation::rollback() {
     if (probe_) release_snapshots();  // a probe whose step() never came
     return;
   }
-  for (size_t k = parts_.size(); k-- > 0;) {
-    if (parts_[k].group.params.empty()) continue;
-    fused_adam_undo(parts_[k].group, parts_[k].hyper, logs_[k]);
-  }
-  logs_.clear();
+  fused_adam_undo(parts_, logs_);
+  logs_ = AdamUndoLogs();
   release_snapshots();
   status_ = kRolledBack;
 }
@@ -266,7 +266,7 @@ void AdamSpeculation::validate(std::vector<AdamPart> current) {
     }
   }
   if (valid) {
-    logs_.clear();
+    logs_ = AdamUndoLogs();
     release_snapshots();
     status_ = kCommitted;
     return;

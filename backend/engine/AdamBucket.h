@@ -5,7 +5,7 @@
 // or, for a probe (the predictor's cheap test while speculation is off), only
 //   snapshot (during backward) -> validate: compares, then steps -> probe valid | invalid
 // A speculation or probe whose snapshot finds no room (the host tier, or the executor for the
-// cast) is abandoned: it steps nothing, and validate() runs the plain step (Note [A
+// cast), or whose step finds none to stage an operand, is abandoned: it steps nothing, and validate() runs the plain step (Note [A
 // speculation without memory] in AdamBucket.cpp). The snapshots are freed as soon as the
 // bucket is validated or rolled back, not when the speculation object goes.
 // Every transition runs on the engine worker; the undo log makes rollback exact
@@ -25,15 +25,10 @@
 
 namespace superchip {
 
-struct AdamPart {
-  AdamGroup group;
-  ops::AdamHyper hyper;
-};
-
 // Storages an Adam step reads or writes: parameters, masters, moments (and the gradients).
 std::vector<c10::intrusive_ptr<c10::StorageImpl>> adam_storages(const std::vector<AdamPart>& parts,
                                                                  bool with_grads);
-// Runs the plain step of every part (the asynchronous step's job body).
+// Runs the plain step of every part, all or nothing (the asynchronous step's job body).
 void step_adam_parts(const std::vector<AdamPart>& parts);
 
 class AdamSpeculation final : public SpeculationHold {
@@ -59,7 +54,8 @@ class AdamSpeculation final : public SpeculationHold {
   // Worker: the bucket's gradients cast-then-moved to host-tier snapshots; kAbandoned (and
   // nothing kept) where there is no memory for them.
   void snapshot();
-  // Worker: steps from the snapshots, recording the undo log.
+  // Worker: steps from the snapshots, recording the undo log; kAbandoned (snapshots freed,
+  // nothing stepped) where the step finds no memory to stage an operand.
   void step();
   // Worker: undoes the speculative step (exact). No-op unless speculated.
   void rollback() override;
@@ -83,7 +79,7 @@ class AdamSpeculation final : public SpeculationHold {
 
   int64_t owner_;
   std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
-  std::vector<AdamUndoLogs> logs_;    // one per part
+  AdamUndoLogs logs_;                 // of the whole bucket, every part
   bool cast_;
   bool probe_;
   bool snapped_ = false;              // parts_' grads are our snapshots (worker only)

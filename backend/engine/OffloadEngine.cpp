@@ -194,6 +194,7 @@ void OffloadEngine::worker_loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (err && !error_) error_ = err;
+      if (err) failed_[item.second.owner].push_back(item.first);
       done_upto_ = item.first;
       finish(item.second, secs);
     }
@@ -215,6 +216,18 @@ void OffloadEngine::finish(EngineJob& job, double seconds) {
   // The closure (and `touched`, `keep`) go whole to finished_: Note [Engine and the GIL].
   finished_.push_back(std::move(job));
   has_finished_.store(true, std::memory_order_release);
+}
+
+OffloadEngine::Failures OffloadEngine::take_failures(int64_t owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Failures f;
+  auto it = failed_.find(owner);
+  if (it != failed_.end()) {
+    f.tickets = std::move(it->second);
+    failed_.erase(it);
+  }
+  f.done_upto = done_upto_;
+  return f;
 }
 
 void OffloadEngine::release_finished() {

@@ -18,7 +18,9 @@
 //  - CUDA executor: a job runs after the GPU work its submitting thread had queued when it
 //    was submitted (an event per device), not after work queued since; the worker's own GPU
 //    copies run on side streams (Note [Engine jobs and GPU streams]).
-//  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize.
+//  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize (the first
+//    one; the worker goes on with the next job), and the job's ticket is kept for its owner
+//    until take_failures() (the optimizer restores the bookkeeping of a step that did not run).
 //  - fork() (Note [Fork] in register/Fork.cpp): prepare_fork() waits until every queued job
 //    has run and keeps the engine locked until after_fork(); a child starts with no job in
 //    flight and no worker, and its first job starts a new worker.
@@ -110,6 +112,13 @@ class OffloadEngine {
   // which must touch the hold's storages, then decides: validate, or roll back).
   uint64_t submit_replacing_hold(EngineJob job, const SpeculationHold* hold);
   OwnerStats stats(int64_t owner);
+  // The tickets of `owner`'s jobs that threw since the last call, in order, and the last ticket
+  // that has run (every earlier job has run too).
+  struct Failures {
+    std::vector<uint64_t> tickets;
+    uint64_t done_upto = 0;
+  };
+  Failures take_failures(int64_t owner);
   void add_exposed(int64_t owner, double seconds);
   // Releases finished jobs' tensors; call from a thread that may take the GIL.
   void release_finished();
@@ -144,6 +153,7 @@ class OffloadEngine {
   std::unordered_map<const c10::StorageImpl*, Entry> pending_;
   std::unordered_map<int64_t, OwnerStats> stats_;
   std::exception_ptr error_;
+  std::unordered_map<int64_t, std::vector<uint64_t>> failed_;  // owner -> tickets that threw
   uint64_t next_ticket_ = 1;
   int64_t last_owner_ = kNoOwner;  // of the last job submitted: synchronize() charges it
   uint64_t done_upto_ = 0;

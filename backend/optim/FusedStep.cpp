@@ -269,11 +269,6 @@ std::vector<Item> items_of(const std::vector<Arrays>& arrays) {
   return cut(sizes);
 }
 
-// The superchip device of a step's parameters (-1 when there are none).
-c10::DeviceIndex device_of(const std::vector<at::Tensor>& params) {
-  return params.empty() ? c10::DeviceIndex(-1) : params.front().device().index();
-}
-
 // Cuts every parameter into chunks and runs step(item, chunk) over the pool of `device`'s node.
 template <typename Arrays, typename StepFn>
 void run_chunked(c10::DeviceIndex device, const std::vector<Arrays>& arrays, const StepFn& step) {
@@ -340,55 +335,91 @@ int64_t AdamUndoLogs::escape_count() const {
 
 namespace {
 
-// Binds the group's tensors to kernel arrays; operands that had to be staged are kept in
-// `operands` (written back by the caller).
+// Every part's operands, bound before any is written (Note [A step is all or nothing] in
+// FusedStep.h): the kernel arrays of all parts, flat, each with its part's hyper-parameters and
+// its own step (Adam) or first-step flag (SGD); operands that had to be staged are kept in
+// `operands` and written back by write_back(). A throw while binding destroys the staging
+// copies made so far and leaves everything as it was.
+template <typename Operand, typename Arrays, typename Hyper>
+struct Bound {
+  std::vector<Arrays> arrays;
+  std::vector<Hyper> hypers;
+  std::vector<Operand> operands;
+  c10::DeviceIndex device = -1;  // of the first parameter: the optimizer pool's node
+  void write_back() {
+    for (Operand& o : operands) o.write_back();
+  }
+};
+
 template <typename Operand>
-std::vector<ops::AdamArrays> bind_adam(const AdamGroup& g, const ops::AdamHyper& hyper,
-                                       std::vector<Operand>& operands) {
-  const size_t n = g.params.size();
-  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
-                  g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
-              "superchip.optim: internal error: ragged Adam group");
-  if (Operand::kOnHost) wait_for_executor(g.params);
-  std::vector<ops::AdamArrays> arrays(n);
-  operands.reserve(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = g.params[i];
-    ops::AdamArrays& a = arrays[i];
-    bind_param_and_grad(a, i, p, g.grads[i], g.masters[i], operands);
-    check_state<Operand>(g.exp_avgs[i], p, "exp_avg", i);
-    check_state<Operand>(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
-    a.exp_avg = g.exp_avgs[i].data_ptr<float>();
-    a.exp_avg_sq = g.exp_avg_sqs[i].data_ptr<float>();
-    if (hyper.amsgrad) {
-      TORCH_CHECK(g.max_exp_avg_sqs[i].has_value(), "superchip.optim: amsgrad state missing for parameter ", i);
-      check_state<Operand>(*g.max_exp_avg_sqs[i], p, "max_exp_avg_sq", i);
-      a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
+Bound<Operand, ops::AdamArrays, ops::AdamHyper> bind_adam(const std::vector<AdamPart>& parts) {
+  Bound<Operand, ops::AdamArrays, ops::AdamHyper> out;
+  size_t total = 0;
+  for (const AdamPart& part : parts) total += part.group.params.size();
+  out.arrays.reserve(total);
+  out.hypers.reserve(total);
+  out.operands.reserve(2 * total);
+  for (const AdamPart& part : parts) {
+    const AdamGroup& g = part.group;
+    const size_t n = g.params.size();
+    TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.exp_avgs.size() == n &&
+                    g.exp_avg_sqs.size() == n && g.max_exp_avg_sqs.size() == n && g.steps.size() == n,
+                "superchip.optim: internal error: ragged Adam group");
+    if (n == 0) continue;
+    if (out.device < 0) out.device = g.params.front().device().index();
+    if (Operand::kOnHost) wait_for_executor(g.params);
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = g.params[i];
+      ops::AdamArrays a;
+      bind_param_and_grad(a, i, p, g.grads[i], g.masters[i], out.operands);
+      check_state<Operand>(g.exp_avgs[i], p, "exp_avg", i);
+      check_state<Operand>(g.exp_avg_sqs[i], p, "exp_avg_sq", i);
+      a.exp_avg = g.exp_avgs[i].data_ptr<float>();
+      a.exp_avg_sq = g.exp_avg_sqs[i].data_ptr<float>();
+      if (part.hyper.amsgrad) {
+        TORCH_CHECK(g.max_exp_avg_sqs[i].has_value(), "superchip.optim: amsgrad state missing for parameter ", i);
+        check_state<Operand>(*g.max_exp_avg_sqs[i], p, "max_exp_avg_sq", i);
+        a.max_exp_avg_sq = g.max_exp_avg_sqs[i]->data_ptr<float>();
+      }
+      out.arrays.push_back(a);
+      out.hypers.push_back(part.hyper);
+      out.hypers.back().step = g.steps[i];
     }
   }
-  return arrays;
+  return out;
 }
 
 template <typename Operand>
-std::vector<ops::SgdArrays> bind_sgd(const SgdGroup& g, const ops::SgdHyper& hyper,
-                                     std::vector<Operand>& operands) {
-  const size_t n = g.params.size();
-  TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
-                  g.first_steps.size() == n,
-              "superchip.optim: internal error: ragged SGD group");
-  if (Operand::kOnHost) wait_for_executor(g.params);
-  std::vector<ops::SgdArrays> arrays(n);
-  operands.reserve(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    ops::SgdArrays& a = arrays[i];
-    bind_param_and_grad(a, i, g.params[i], g.grads[i], g.masters[i], operands);
-    if (hyper.momentum != 0.0) {
-      TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
-      check_state<Operand>(*g.momentum_buffers[i], g.params[i], "momentum_buffer", i);
-      a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
+Bound<Operand, ops::SgdArrays, ops::SgdHyper> bind_sgd(const std::vector<SgdPart>& parts) {
+  Bound<Operand, ops::SgdArrays, ops::SgdHyper> out;
+  size_t total = 0;
+  for (const SgdPart& part : parts) total += part.group.params.size();
+  out.arrays.reserve(total);
+  out.hypers.reserve(total);
+  out.operands.reserve(2 * total);
+  for (const SgdPart& part : parts) {
+    const SgdGroup& g = part.group;
+    const size_t n = g.params.size();
+    TORCH_CHECK(g.grads.size() == n && g.masters.size() == n && g.momentum_buffers.size() == n &&
+                    g.first_steps.size() == n,
+                "superchip.optim: internal error: ragged SGD group");
+    if (n == 0) continue;
+    if (out.device < 0) out.device = g.params.front().device().index();
+    if (Operand::kOnHost) wait_for_executor(g.params);
+    for (size_t i = 0; i < n; ++i) {
+      ops::SgdArrays a;
+      bind_param_and_grad(a, i, g.params[i], g.grads[i], g.masters[i], out.operands);
+      if (part.hyper.momentum != 0.0) {
+        TORCH_CHECK(g.momentum_buffers[i].has_value(), "superchip.optim: momentum buffer missing for parameter ", i);
+        check_state<Operand>(*g.momentum_buffers[i], g.params[i], "momentum_buffer", i);
+        a.momentum_buffer = g.momentum_buffers[i]->data_ptr<float>();
+      }
+      out.arrays.push_back(a);
+      out.hypers.push_back(part.hyper);
+      out.hypers.back().first_step = g.first_steps[i];
     }
   }
-  return arrays;
+  return out;
 }
 
 }  // namespace
@@ -406,105 +437,166 @@ struct HiddenFromPythonModes {
   c10::impl::ExcludeDispatchKeyGuard guard{
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
 };
+
+// The compute half of a step (after binding), over flat arrays: the ops/cpu kernels on the
+// optimizer pool (here), or the ops/cuda kernels enqueued on `stream` (tail buckets, below).
+template <typename Bound>
+void compute_adam_cpu(Bound& b, void*) {
+  const ops::SimdPath path = ops::active_simd_path();
+  run_chunked(b.device, b.arrays, [&](const Item& it, int64_t, const ops::AdamArrays& chunk) {
+    ops::adam_step(b.hypers[it.tensor], chunk, path, nullptr);
+  });
+}
+
+template <typename Bound>
+void compute_sgd_cpu(Bound& b, void*) {
+  const ops::SimdPath path = ops::active_simd_path();
+  run_chunked(b.device, b.arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
+    ops::sgd_step(b.hypers[it.tensor], chunk, path, nullptr);
+  });
+}
+
 }  // namespace
 
-void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* record) {
+void fused_adam_step(const std::vector<AdamPart>& parts, AdamUndoLogs* record) {
   const HiddenFromPythonModes hidden;
-  std::vector<HostOperand> operands;
-  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
-  if (record) {
-    TORCH_CHECK(!hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
-    record->chunks.assign(items_of(arrays).size(), {});
-  }
-  const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
-    ops::AdamHyper h = hyper;
-    h.step = g.steps[it.tensor];
-    if (record) {
-      ops::adam_step_recording(h, chunk, path, &record->chunks[k]);
-    } else {
-      ops::adam_step(h, chunk, path, nullptr);
+  auto bound = bind_adam<HostOperand>(parts);
+  if (!record) {
+    compute_adam_cpu(bound, nullptr);
+  } else {
+    for (const AdamPart& p : parts) {
+      TORCH_CHECK(!p.hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
     }
-  });
-  for (HostOperand& o : operands) o.write_back();
+    record->chunks.assign(items_of(bound.arrays).size(), {});
+    const ops::SimdPath path = ops::active_simd_path();
+    run_chunked(bound.device, bound.arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+      ops::adam_step_recording(bound.hypers[it.tensor], chunk, path, &record->chunks[k]);
+    });
+  }
+  bound.write_back();
 }
 
-void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log) {
+void fused_adam_undo(const std::vector<AdamPart>& parts, const AdamUndoLogs& log) {
   const HiddenFromPythonModes hidden;
-  std::vector<HostOperand> operands;
-  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
-  TORCH_CHECK(log.chunks.size() == items_of(arrays).size(),
+  auto bound = bind_adam<HostOperand>(parts);
+  TORCH_CHECK(log.chunks.size() == items_of(bound.arrays).size(),
               "superchip.optim: internal error: undo log does not match its bucket");
-  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
-    ops::AdamHyper h = hyper;
-    h.step = g.steps[it.tensor];
-    ops::adam_undo(h, chunk, log.chunks[k]);
+  run_chunked(bound.device, bound.arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+    ops::adam_undo(bound.hypers[it.tensor], chunk, log.chunks[k]);
   });
-  for (HostOperand& o : operands) o.write_back();
+  bound.write_back();
 }
 
-void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper) {
+void fused_sgd_step(const std::vector<SgdPart>& parts) {
   const HiddenFromPythonModes hidden;
-  std::vector<HostOperand> operands;
-  const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
-  const ops::SimdPath path = ops::active_simd_path();
-  run_chunked(device_of(g.params), arrays, [&](const Item& it, int64_t, const ops::SgdArrays& chunk) {
-    ops::SgdHyper h = hyper;
-    h.first_step = g.first_steps[it.tensor];
-    ops::sgd_step(h, chunk, path, nullptr);
-  });
-  for (HostOperand& o : operands) o.write_back();
+  auto bound = bind_sgd<HostOperand>(parts);
+  compute_sgd_cpu(bound, nullptr);
+  bound.write_back();
 }
 
 // ---- tail buckets: the step on the executor ----
 
+namespace {
+
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
+template <typename Bound>
+void compute_adam_cuda(Bound& b, void* stream) {
+  for (size_t i = 0; i < b.arrays.size(); ++i) ops::cuda::adam_step(b.hypers[i], b.arrays[i], stream);
+}
+
+template <typename Bound>
+void compute_sgd_cuda(Bound& b, void* stream) {
+  for (size_t i = 0; i < b.arrays.size(); ++i) ops::cuda::sgd_step(b.hypers[i], b.arrays[i], stream);
+}
+
 // The parameters' GPU current while the kernels launch on `stream`, a stream of that device:
 // CUDA refuses a launch into another device's stream (parameters on superchip:1 stepped while
 // the current device is 0).
 struct ExecutorDeviceScope {
-  explicit ExecutorDeviceScope(const std::vector<at::Tensor>& params) {
-    if (!params.empty()) guard.reset_device(executor_device(params.front().device().index()));
+  explicit ExecutorDeviceScope(c10::DeviceIndex device) {
+    if (device >= 0) guard.reset_device(executor_device(device));
   }
   c10::OptionalDeviceGuard guard;
 };
 #endif
 
-void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream) {
-  const HiddenFromPythonModes hidden;
-  if (executor() != Executor::kCuda) return fused_adam_step(g, hyper);
-#ifdef SUPERCHIP_HAVE_OPS_CUDA
-  const ExecutorDeviceScope device_scope(g.params);
-  std::vector<ExecutorOperand> operands;
-  const std::vector<ops::AdamArrays> arrays = bind_adam(g, hyper, operands);
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    ops::AdamHyper h = hyper;
-    h.step = g.steps[i];
-    ops::cuda::adam_step(h, arrays[i], stream);
+template <typename Part>
+c10::DeviceIndex first_device(const std::vector<Part>& parts) {
+  for (const Part& p : parts) {
+    if (!p.group.params.empty()) return p.group.params.front().device().index();
   }
-  for (ExecutorOperand& o : operands) o.write_back();
-#else
+  return -1;
+}
+
+// Bound at construction, computed by run(); keeps the parts (the arrays point into them).
+template <typename Part, typename Bound>
+class Prepared final : public PreparedStep {
+ public:
+  using Bind = Bound (*)(const std::vector<Part>&);
+  using Compute = void (*)(Bound&, void*);
+  Prepared(std::vector<Part> parts, void* stream, Bind bind, Compute compute)
+      : parts_(std::move(parts)), stream_(stream), compute_(compute) {
+    const HiddenFromPythonModes hidden;
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+    const ExecutorDeviceScope scope(executor() == Executor::kCuda ? first_device(parts_) : -1);
+#endif
+    bound_ = bind(parts_);
+  }
+  void run() override {
+    TORCH_CHECK(!ran_, "superchip.optim: internal error: a prepared step ran twice");
+    ran_ = true;
+    const HiddenFromPythonModes hidden;
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+    const ExecutorDeviceScope scope(executor() == Executor::kCuda ? first_device(parts_) : -1);
+#endif
+    compute_(bound_, stream_);
+    bound_.write_back();
+  }
+
+ private:
+  std::vector<Part> parts_;
+  void* stream_;
+  Compute compute_;
+  Bound bound_;
+  bool ran_ = false;
+};
+
+#ifndef SUPERCHIP_HAVE_OPS_CUDA
+[[noreturn]] void no_ops_cuda() {
   TORCH_CHECK(false, "superchip.optim: this build has no ops/cuda kernels (built without a CUDA toolkit); "
               "use tail_buckets=0.");
+}
+#endif
+
+}  // namespace
+
+std::unique_ptr<PreparedStep> prepare_executor_adam_step(std::vector<AdamPart> parts, void* stream) {
+  if (executor() != Executor::kCuda) {
+    using B = Bound<HostOperand, ops::AdamArrays, ops::AdamHyper>;
+    return std::make_unique<Prepared<AdamPart, B>>(std::move(parts), stream, &bind_adam<HostOperand>,
+                                                   &compute_adam_cpu<B>);
+  }
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+  using B = Bound<ExecutorOperand, ops::AdamArrays, ops::AdamHyper>;
+  return std::make_unique<Prepared<AdamPart, B>>(std::move(parts), stream, &bind_adam<ExecutorOperand>,
+                                                 &compute_adam_cuda<B>);
+#else
+  no_ops_cuda();
 #endif
 }
 
-void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream) {
-  const HiddenFromPythonModes hidden;
-  if (executor() != Executor::kCuda) return fused_sgd_step(g, hyper);
-#ifdef SUPERCHIP_HAVE_OPS_CUDA
-  const ExecutorDeviceScope device_scope(g.params);
-  std::vector<ExecutorOperand> operands;
-  const std::vector<ops::SgdArrays> arrays = bind_sgd(g, hyper, operands);
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    ops::SgdHyper h = hyper;
-    h.first_step = g.first_steps[i];
-    ops::cuda::sgd_step(h, arrays[i], stream);
+std::unique_ptr<PreparedStep> prepare_executor_sgd_step(std::vector<SgdPart> parts, void* stream) {
+  if (executor() != Executor::kCuda) {
+    using B = Bound<HostOperand, ops::SgdArrays, ops::SgdHyper>;
+    return std::make_unique<Prepared<SgdPart, B>>(std::move(parts), stream, &bind_sgd<HostOperand>,
+                                                  &compute_sgd_cpu<B>);
   }
-  for (ExecutorOperand& o : operands) o.write_back();
+#ifdef SUPERCHIP_HAVE_OPS_CUDA
+  using B = Bound<ExecutorOperand, ops::SgdArrays, ops::SgdHyper>;
+  return std::make_unique<Prepared<SgdPart, B>>(std::move(parts), stream, &bind_sgd<ExecutorOperand>,
+                                                &compute_sgd_cuda<B>);
 #else
-  TORCH_CHECK(false, "superchip.optim: this build has no ops/cuda kernels (built without a CUDA toolkit); "
-              "use tail_buckets=0.");
+  no_ops_cuda();
 #endif
 }
 

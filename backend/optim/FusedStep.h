@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -33,11 +34,27 @@ struct AdamUndoLogs {
   int64_t escape_count() const;  // fields whose residual is in a side stream
 };
 
-// Steps the group in place. With `record`, also writes the undo log (amsgrad is rejected).
-void fused_adam_step(const AdamGroup& g, ops::AdamHyper hyper, AdamUndoLogs* record = nullptr);
-// Restores the group to its values before the recorded step; the gradients must be the bits
-// the step read and `hyper` its hyper-parameters.
-void fused_adam_undo(const AdamGroup& g, ops::AdamHyper hyper, const AdamUndoLogs& log);
+// One param group's share of a step: its tensors and hyper-parameters.
+struct AdamPart {
+  AdamGroup group;
+  ops::AdamHyper hyper;
+};
+
+// Note [A step is all or nothing]
+// Every entry point below steps all its parts or none: each operand of each part is checked
+// and bound (staged into memory the kernel can address, where it must be) before any is
+// written, so an error a caller can cause (a malformed operand, no memory for a staging copy)
+// leaves every parameter and its state as they were, and the caller may retry. Bound one part
+// at a time, an out-of-memory error in a later param group left the earlier groups stepped:
+// the plain step's retry stepped them twice, and a speculation's undo never covered them.
+// Only the write-back of staged results (copies into memory that exists) comes after the
+// kernels.
+
+// Steps the parts in place. With `record`, also writes the undo log (amsgrad is rejected).
+void fused_adam_step(const std::vector<AdamPart>& parts, AdamUndoLogs* record = nullptr);
+// Restores the parts to their values before the recorded step; the gradients must be the bits
+// the step read and the hyper-parameters its own.
+void fused_adam_undo(const std::vector<AdamPart>& parts, const AdamUndoLogs& log);
 
 struct SgdGroup {
   std::vector<at::Tensor> params;
@@ -47,17 +64,30 @@ struct SgdGroup {
   std::vector<bool> first_steps;  // per parameter: its momentum buffer is new
 };
 
-void fused_sgd_step(const SgdGroup& g, ops::SgdHyper hyper);
+struct SgdPart {
+  SgdGroup group;
+  ops::SgdHyper hyper;
+};
+
+void fused_sgd_step(const std::vector<SgdPart>& parts);
 
 // Tail buckets (Engine in python/superchip/engine.py): with the CUDA executor, the ops/cuda
 // kernels read and write every operand in place (superchip memory of either tier) and are
 // enqueued on `stream` (a cudaStream_t of the parameters' device: the current one, so that
-// backward's gradients and the next forward are ordered around the step); the call returns
-// once they are enqueued. With the CPU executor, `stream` is ignored and this is fused_*_step.
-// Results are bit for bit those of fused_*_step (ops/cuda/FusedOptimCuda.h). A build without
+// backward's gradients and the next forward are ordered around the step); run() returns once
+// they are enqueued. With the CPU executor, `stream` is ignored and run() is fused_*_step's
+// computation. Results are bit for bit those of fused_*_step (ops/cuda/FusedOptimCuda.h).
+// prepare_* binds every operand (Note [A step is all or nothing]) and raises, changing nothing,
+// where it cannot: the engine prepares its tail buckets before it queues the other buckets'
+// jobs, so a step() that raises has queued nothing. run() at most once. A build without
 // ops/cuda raises on the CUDA executor, naming tail_buckets=0 as the way out.
-void executor_adam_step(const AdamGroup& g, ops::AdamHyper hyper, void* stream);
-void executor_sgd_step(const SgdGroup& g, ops::SgdHyper hyper, void* stream);
+class PreparedStep {
+ public:
+  virtual ~PreparedStep() = default;
+  virtual void run() = 0;
+};
+std::unique_ptr<PreparedStep> prepare_executor_adam_step(std::vector<AdamPart> parts, void* stream);
+std::unique_ptr<PreparedStep> prepare_executor_sgd_step(std::vector<SgdPart> parts, void* stream);
 
 namespace ops {
 class ThreadPool;

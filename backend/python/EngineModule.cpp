@@ -1,4 +1,5 @@
-// superchip._C bindings of the offload engine (backend/engine/): thin argument conversion.
+// superchip._C bindings of the fused optimizer steps (backend/optim/) and of the offload engine
+// (backend/engine/): thin argument conversion.
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -14,7 +15,7 @@ namespace py = pybind11;
 namespace superchip {
 namespace {
 
-// One param group's share of a bucket, as optim.py builds it (the _adam_step arguments).
+// One param group's share of a step or bucket, as optim.py builds it (_group_args).
 using AdamPartArgs =
     std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<std::optional<at::Tensor>>,
                std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<std::optional<at::Tensor>>,
@@ -45,6 +46,24 @@ std::vector<AdamPart> adam_parts(std::vector<AdamPartArgs> args) {
   return parts;
 }
 
+std::vector<SgdPart> sgd_parts(std::vector<SgdArgs> args) {
+  std::vector<SgdPart> parts;
+  parts.reserve(args.size());
+  for (auto& a : args) {
+    SgdPart p;
+    p.group = SgdGroup{std::move(std::get<0>(a)), std::move(std::get<1>(a)), std::move(std::get<2>(a)),
+                       std::move(std::get<3>(a)), std::move(std::get<4>(a))};
+    p.hyper.lr = std::get<5>(a);
+    p.hyper.momentum = std::get<6>(a);
+    p.hyper.dampening = std::get<7>(a);
+    p.hyper.weight_decay = std::get<8>(a);
+    p.hyper.nesterov = std::get<9>(a);
+    p.hyper.maximize = std::get<10>(a);
+    parts.push_back(std::move(p));
+  }
+  return parts;
+}
+
 std::vector<at::Tensor> tensors_of(const std::vector<AdamPart>& parts) {
   std::vector<at::Tensor> keep;
   for (const AdamPart& p : parts) {
@@ -52,6 +71,36 @@ std::vector<at::Tensor> tensors_of(const std::vector<AdamPart>& parts) {
     keep.insert(keep.end(), p.group.grads.begin(), p.group.grads.end());
   }
   return keep;
+}
+
+// Note [A job of the asynchronous step that fails]
+// A queued step (or a validation's redo) can raise on the worker: no memory to stage an
+// operand (an hbm one into pinned memory on a GPU, a strided one on the CPU executor). The
+// step is all or nothing (Note [A step is all or nothing] in optim/FusedStep.h), so that
+// bucket is as before; the other buckets of the step() were stepped. The error reaches the
+// training thread at its next wait, in whatever operator that is, so it says what happened
+// and what to do; the optimizer takes the failed tickets (take_failures) and restores the
+// bucket's bookkeeping (step counts, SGD's first-step marks: python/superchip/engine.py,
+// Engine._reconcile), so the next step of those parameters is their next step.
+template <typename F>
+void run_step_job(const char* what, size_t params, const F& body) {
+  try {
+    body();
+  } catch (const c10::OutOfMemoryError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "superchip.optim: the asynchronous ", what, " of a bucket of ",
+                     params, " parameters could not run: ", e.what_without_backtrace(),
+                     "\nThat bucket was not stepped: its parameters, optimizer state and step counts are as "
+                     "before that step() (the other buckets of that step() were stepped). Free memory "
+                     "before the next step(), or pass overlap=False to have step() itself raise this, "
+                     "with nothing stepped.");
+  }
+}
+
+template <typename Part>
+size_t params_of(const std::vector<Part>& parts) {
+  size_t n = 0;
+  for (const Part& p : parts) n += p.group.params.size();
+  return n;
 }
 
 }  // namespace
@@ -76,39 +125,64 @@ void bind_engine(py::module& m) {
     job.owner = owner;
     job.touched = adam_storages(*parts, /*with_grads=*/true);
     job.keep = tensors_of(*parts);
-    job.run = [parts] { step_adam_parts(*parts); };
+    job.run = [parts] { run_step_job("step", params_of(*parts), [&] { step_adam_parts(*parts); }); };
     return OffloadEngine::get().submit(std::move(job));
   });
-  m.def("_engine_sgd_step", [](int64_t owner, SgdArgs a) {
-    auto g = std::make_shared<SgdGroup>(SgdGroup{std::move(std::get<0>(a)), std::move(std::get<1>(a)),
-                                                 std::move(std::get<2>(a)), std::move(std::get<3>(a)),
-                                                 std::move(std::get<4>(a))});
-    ops::SgdHyper h;
-    h.lr = std::get<5>(a);
-    h.momentum = std::get<6>(a);
-    h.dampening = std::get<7>(a);
-    h.weight_decay = std::get<8>(a);
-    h.nesterov = std::get<9>(a);
-    h.maximize = std::get<10>(a);
+  m.def("_engine_sgd_step", [](int64_t owner, std::vector<SgdArgs> args) {
+    auto parts = std::make_shared<std::vector<SgdPart>>(sgd_parts(std::move(args)));
     EngineJob job;
     job.name = "superchip::cpu_step";
     job.owner = owner;
-    std::vector<c10::intrusive_ptr<c10::StorageImpl>> touched;
     auto add = [&](const at::Tensor& t) {
-      if (t.defined()) touched.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
+      if (t.defined()) {
+        job.touched.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
+      }
     };
-    for (size_t i = 0; i < g->params.size(); ++i) {
-      add(g->params[i]);
-      add(g->grads[i]);
-      if (g->masters[i]) add(*g->masters[i]);
-      if (g->momentum_buffers[i]) add(*g->momentum_buffers[i]);
+    for (const SgdPart& p : *parts) {
+      const SgdGroup& g = p.group;
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        add(g.params[i]);
+        add(g.grads[i]);
+        if (g.masters[i]) add(*g.masters[i]);
+        if (g.momentum_buffers[i]) add(*g.momentum_buffers[i]);
+      }
+      job.keep.insert(job.keep.end(), g.params.begin(), g.params.end());
+      job.keep.insert(job.keep.end(), g.grads.begin(), g.grads.end());
     }
-    job.touched = std::move(touched);
-    job.keep = g->params;
-    job.keep.insert(job.keep.end(), g->grads.begin(), g->grads.end());
-    job.run = [g, h] { fused_sgd_step(*g, h); };
+    job.run = [parts] { run_step_job("step", params_of(*parts), [&] { fused_sgd_step(*parts); }); };
     return OffloadEngine::get().submit(std::move(job));
   });
+  // The plain step (overlap=False) and the tail buckets' step, on the calling thread: every
+  // part (param group) in one call, all or nothing (Note [A step is all or nothing] in
+  // optim/FusedStep.h). A stream (a tail bucket): the executor steps it; none: the CPU kernels.
+  m.def("_adam_step", [](std::vector<AdamPartArgs> args, std::optional<uintptr_t> stream) {
+    std::vector<AdamPart> parts = adam_parts(std::move(args));
+    py::gil_scoped_release no_gil;
+    if (stream) prepare_executor_adam_step(std::move(parts), reinterpret_cast<void*>(*stream))->run();
+    else fused_adam_step(parts);
+  }, py::arg("parts"), py::arg("stream") = py::none());
+  m.def("_sgd_step", [](std::vector<SgdArgs> args, std::optional<uintptr_t> stream) {
+    std::vector<SgdPart> parts = sgd_parts(std::move(args));
+    py::gil_scoped_release no_gil;
+    if (stream) prepare_executor_sgd_step(std::move(parts), reinterpret_cast<void*>(*stream))->run();
+    else fused_sgd_step(parts);
+  }, py::arg("parts"), py::arg("stream") = py::none());
+  // The tail buckets' step bound now and run later (optim/FusedStep.h): Engine.step() binds it
+  // before it queues any job, so an error there leaves the whole step()'s work undone.
+  py::class_<PreparedStep>(m, "_PreparedStep").def("run", [](PreparedStep& s) {
+    py::gil_scoped_release no_gil;
+    s.run();
+  });
+  m.def("_prepare_adam_step", [](std::vector<AdamPartArgs> args, uintptr_t stream) {
+    std::vector<AdamPart> parts = adam_parts(std::move(args));
+    py::gil_scoped_release no_gil;
+    return prepare_executor_adam_step(std::move(parts), reinterpret_cast<void*>(stream));
+  }, py::arg("parts"), py::arg("stream"));
+  m.def("_prepare_sgd_step", [](std::vector<SgdArgs> args, uintptr_t stream) {
+    std::vector<SgdPart> parts = sgd_parts(std::move(args));
+    py::gil_scoped_release no_gil;
+    return prepare_executor_sgd_step(std::move(parts), reinterpret_cast<void*>(stream));
+  }, py::arg("parts"), py::arg("stream"));
   // Snapshot jobs (and, unless the spec is a probe, the speculative step and its hold).
   // `grads_pending` false: readers of the gradients' storages do not wait for the copy (DDP's
   // bucket buffer, which its end of backward reads while the copy waits behind the speculative
@@ -146,7 +220,10 @@ void bind_engine(py::module& m) {
     job.owner = spec->owner();
     job.touched = adam_storages(*parts, /*with_grads=*/true);
     job.keep = tensors_of(*parts);
-    job.run = [spec, parts] { spec->validate(std::move(*parts)); };
+    job.run = [spec, parts] {
+      const size_t n = params_of(*parts);
+      run_step_job("step (validating its speculation)", n, [&] { spec->validate(std::move(*parts)); });
+    };
     return OffloadEngine::get().submit_replacing_hold(std::move(job), spec.get());
   });
   m.def("_engine_rollback", [](std::shared_ptr<Spec> spec) {
@@ -191,6 +268,11 @@ void bind_engine(py::module& m) {
     }
   });
   m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
+  // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run)
+  m.def("_engine_failures", [](int64_t owner) {
+    OffloadEngine::Failures f = OffloadEngine::get().take_failures(owner);
+    return py::make_tuple(f.tickets, f.done_upto);
+  });
   m.def("_engine_stats", [](int64_t owner) {
     const OwnerStats s = OffloadEngine::get().stats(owner);
     py::dict d;

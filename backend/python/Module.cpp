@@ -8,6 +8,7 @@
 
 #include <pybind11/stl.h>
 
+#include "allocator/Backing.h"
 #include "allocator/HostMemory.h"
 #include "allocator/Topology.h"
 #include "backend/distributed/ProcessGroupSccl.h"
@@ -149,55 +150,6 @@ PYBIND11_MODULE(_C, m) {
                 state.sizes(), " vs ", values.sizes(), ").");
     copy_through_aliases(state, values);
   }, py::arg("state"), py::arg("values"));
-  m.def("_adam_step",
-        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
-           std::vector<std::optional<at::Tensor>> masters, std::vector<at::Tensor> exp_avgs,
-           std::vector<at::Tensor> exp_avg_sqs, std::vector<std::optional<at::Tensor>> max_exp_avg_sqs,
-           std::vector<int64_t> steps, double lr, double beta1, double beta2, double eps,
-           double weight_decay, bool decoupled, bool amsgrad, bool maximize,
-           std::optional<uintptr_t> stream) {
-          AdamGroup g{std::move(params), std::move(grads), std::move(masters), std::move(exp_avgs),
-                      std::move(exp_avg_sqs), std::move(max_exp_avg_sqs), std::move(steps)};
-          ops::AdamHyper h;
-          h.lr = lr;
-          h.beta1 = beta1;
-          h.beta2 = beta2;
-          h.eps = eps;
-          h.weight_decay = weight_decay;
-          h.decoupled_weight_decay = decoupled;
-          h.amsgrad = amsgrad;
-          h.maximize = maximize;
-          py::gil_scoped_release no_gil;
-          // A stream (a tail bucket): the executor steps it; none: the CPU kernels.
-          if (stream) executor_adam_step(g, h, reinterpret_cast<void*>(*stream));
-          else fused_adam_step(g, h);
-        },
-        py::arg("params"), py::arg("grads"), py::arg("masters"), py::arg("exp_avgs"),
-        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("lr"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("stream") = py::none());
-  m.def("_sgd_step",
-        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
-           std::vector<std::optional<at::Tensor>> masters,
-           std::vector<std::optional<at::Tensor>> momentum_buffers, std::vector<bool> first_steps,
-           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-           bool maximize, std::optional<uintptr_t> stream) {
-          SgdGroup g{std::move(params), std::move(grads), std::move(masters),
-                     std::move(momentum_buffers), std::move(first_steps)};
-          ops::SgdHyper h;
-          h.lr = lr;
-          h.momentum = momentum;
-          h.dampening = dampening;
-          h.weight_decay = weight_decay;
-          h.nesterov = nesterov;
-          h.maximize = maximize;
-          py::gil_scoped_release no_gil;
-          if (stream) executor_sgd_step(g, h, reinterpret_cast<void*>(*stream));
-          else fused_sgd_step(g, h);
-        },
-        py::arg("params"), py::arg("grads"), py::arg("masters"), py::arg("momentum_buffers"),
-        py::arg("first_steps"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
-        py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"), py::arg("stream") = py::none());
   m.def("_stream_triad_inplace", [](at::Tensor& a, const at::Tensor& b, double s) {
     for (const at::Tensor* t : {static_cast<const at::Tensor*>(&a), &b}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -296,6 +248,19 @@ PYBIND11_MODULE(_C, m) {
     if (!m) return std::string();
     return m->describe() + "; superchip leaves " + format_bytes(host_memory_reserve(m->limit())) +
            " of it free";
+  });
+  // The same figures as numbers, for the engine's admission of speculation where the host tier
+  // has no budget (Note [Speculation and host memory] in python/superchip/engine.py): what a
+  // new block can still take, what superchip leaves free, and superchip's blocks not yet
+  // written (which the headroom does not show yet). None where the figures cannot be read.
+  m.def("_host_memory_figures", []() -> py::object {
+    const std::optional<HostMemory> m = read_host_memory();
+    if (!m) return py::none();
+    py::dict d;
+    d["headroom"] = m->headroom();
+    d["reserve"] = host_memory_reserve(m->limit());
+    d["unwritten"] = host_blocks_unwritten_bytes();
+    return d;
   });
   bind_engine(m);
   bind_stream(m);

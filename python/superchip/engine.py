@@ -98,6 +98,14 @@ def speculation_policy() -> str:
 # one overrun more.
 
 
+def _machine_figures() -> dict | None:
+    """What the machine leaves superchip (Note [Speculation and host memory]); None where the
+    check is off or the kernel's figures cannot be read."""
+    if os.environ.get("SUPERCHIP_HOST_MEMORY_CHECK", "1") == "0":
+        return None
+    return _C._host_memory_figures()
+
+
 def _timing_event(device) -> torch.Event:
     """An event on ``device`` whose elapsed_time() is its device's (Note [Speculation budget])."""
     return torch.Event(device=device, enable_timing=True)
@@ -181,13 +189,19 @@ class Engine:
         self.probe_bucket = None
         self.counts = dict(steps=0, skipped_steps=0, speculated_buckets=0, rolled_back_buckets=0,
                            probed_buckets=0, deferred_buckets=0, lean_steps=0, abandoned_buckets=0,
-                           undo_bytes=0, undo_elements=0, undo_escapes=0)
+                           undo_bytes=0, undo_elements=0, undo_escapes=0, failed_buckets=0)
         # Note [Speculation and host memory]: the host tier's budget (0: none), the training's
         # own use of it sampled this iteration and the last, and this backward's admissions.
         self.host_cap = 0
         self.host_used = [0, 0]
+        self.machine_free = [math.inf, math.inf]  # without a budget (Note [Speculation and host memory])
+        self.machine_reserve = 0
         self.admitted: list = []
         self.inline_seconds = 0.0
+        # Note [A job of the asynchronous step that fails] (backend/python/EngineModule.cpp):
+        # ticket -> (params, the optimizer's bookkeeping token, _Speculation or None) of the
+        # step jobs queued and not known to have run.
+        self.jobs: dict = {}
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
         # attached, buckets whose local gradients are in but not yet reduced, and the reduced
         # gradients of this backward by parameter.
@@ -296,6 +310,7 @@ class Engine:
         self.awaiting = keep
 
     def _begin_backward(self) -> None:
+        self._reconcile()
         self.order = []
         self.ready = {}
         # The last step()'s leads, before this backward records its events over them (not run
@@ -304,8 +319,6 @@ class Engine:
         self.leads_due, self.ready_ok, self.exposed_at = None, set(), {}
         self.slack, self.last_spec = math.inf, None
         self.admitted = []
-        if self.buckets and self.can_speculate:
-            self._host_sample()  # the activations are in (Note [Speculation and host memory])
         self._harvest()
         failed, committed, probe_valid, probe_invalid = self.outcomes
         self.outcomes = (False, False, False, False)
@@ -353,6 +366,8 @@ class Engine:
                 sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
                          for b in range(self.tail, len(self.buckets))}
                 self.probe_bucket = min(sizes, key=sizes.get)
+        if self.buckets and self.can_speculate:
+            self._host_sample()  # the activations are in (Note [Speculation and host memory])
 
     def _judge_lean(self) -> None:
         """Whether this backward leaves every bucket to the asynchronous step (Note
@@ -400,7 +415,9 @@ class Engine:
                 if s.stepped:
                     keep.append(s)  # its validation has not run yet
                 # else its step() never came (zero_grad, a skipped step): no outcome
-            elif st in (_COMMITTED, _REDONE) or (st == _ROLLED_BACK and not s.stepped):
+            elif st in (_COMMITTED, _REDONE, _ROLLED_BACK):
+                # (_ROLLED_BACK also after step(): a bucket it stepped plainly, a parameter
+                # without its gradient; kept, as it was, that entry stayed here for good.)
                 if st != _COMMITTED:
                     self.counts["rolled_back_buckets"] += 1
                     failed = True
@@ -446,9 +463,20 @@ class Engine:
     # and 1/32 of the budget for what the samples miss; the others are stepped at step()
     # (deferred). Snapshots are freed once validated. A snapshot that still finds no room
     # abandons its speculation (Note [A speculation without memory],
-    # backend/engine/AdamBucket.cpp). Without a budget nothing is admitted or refused here:
-    # the host backing refuses a block the machine itself cannot hold (Note [The machine's
-    # memory], allocator/Backing.cpp), and a snapshot refused there abandons as above.
+    # backend/engine/AdamBucket.cpp).
+    # Without a budget the machine's own memory bounds the host tier (Note [The machine's
+    # memory], allocator/Backing.cpp), and the same holds against it: the host backing refused
+    # only a snapshot the machine could not hold at that moment, so a snapshot could still
+    # take the memory the next forward's activations (a full hbm spills them to host; on the
+    # CPU executor hbm is the machine's memory too) or torch's own CPU tensors (the data
+    # loader's batches, which nothing refuses) needed a moment later: the kernel's OOM killer
+    # then ends the run that trains with overlap=False. So the engine samples, at the same
+    # points, what the machine leaves free for the training -- the headroom, less superchip's
+    # blocks not yet written, plus the live snapshots and superchip's cached blocks (both
+    # reusable) -- and admits a bucket only while the lowest such figure of this iteration and
+    # the last covers the live snapshots, those admitted but not taken, this one's, and the
+    # reserve superchip leaves free (limit / 32, at least 256 MiB). With the machine check off
+    # (SUPERCHIP_HOST_MEMORY_CHECK=0) or its figures unreadable, nothing is admitted or refused.
 
     def _host_sample(self) -> None:
         from . import memory_stats
@@ -458,20 +486,34 @@ class Engine:
         if self.host_cap:
             used = st["host.allocated_bytes"] - _C._engine_snapshot_bytes()
             self.host_used[0] = max(self.host_used[0], used)
+            return
+        if not (self.speculating or self.probing):
+            return  # (the machine's figures cost 75 us a read: none in a backward that admits nothing)
+        figures = _machine_figures()
+        if figures is None:
+            self.machine_reserve = None
+            return
+        cached = st["host.reserved_bytes"] - st["host.allocated_bytes"]
+        if _C._executor() == "cpu":  # the emulated hbm is the machine's memory too
+            cached += st["hbm.reserved_bytes"] - st["hbm.allocated_bytes"]
+        free = (figures["headroom"] - figures["unwritten"] + _C._engine_snapshot_bytes() + max(cached, 0))
+        self.machine_free[0] = min(self.machine_free[0], free)
+        self.machine_reserve = figures["reserve"]
 
     def _host_admits(self, b: int, cast_fp32: bool) -> int | None:
-        """The snapshot bytes bucket ``b`` takes in host, or None when the budget has no room."""
+        """The snapshot bytes bucket ``b`` takes in host, or None when there is no room for it."""
         from . import distributed as _dist
 
         local = (p.to_local() if _dist.is_dtensor(p) else p for p in self.buckets[b])  # FSDP2: the shard
         need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local if t.device.type == "superchip")
         self._host_sample()  # also the budget: superchip.set_capacity() may change it any time
-        if self.host_cap == 0:
-            return need
         pending = sum(n for spec, n in self.admitted if spec.status() == _QUEUED)
-        room = (self.host_cap - max(self.host_used) - _C._engine_snapshot_bytes() - pending
-                - self.host_cap // 32)
-        return need if need <= room else None
+        taken = _C._engine_snapshot_bytes() + pending + need
+        if self.host_cap:
+            return need if taken <= self.host_cap - max(self.host_used) - self.host_cap // 32 else None
+        if self.machine_reserve is None:
+            return need  # no figures: the backing decides
+        return need if taken <= min(self.machine_free) - self.machine_reserve else None
 
     def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
         if not probe and not self._fits(b):
@@ -504,6 +546,7 @@ class Engine:
 
     def step(self) -> None:
         """Queues the step of every bucket in forward order; returns before they run."""
+        self._reconcile()
         if not self.ddp_tried and self.can_speculate:
             # After the first backward, between backwards (Note [Speculation under DDP]).
             from . import distributed as _dist
@@ -523,30 +566,34 @@ class Engine:
             s = _C._engine_stats(self.owner)
             self.lean_mark = (s["exposed_seconds"], s["optimizer_seconds"])
             self.counts["lean_steps"] += 1
-        self.opt._engine_advance_steps()
+        # The tail buckets' step is bound (staged) before anything is queued: where it cannot
+        # be, step() raises having changed nothing (Note [A step is all or nothing]).
         tail_parts = []
-        for b in reversed(range(len(self.buckets))):
+        for b in reversed(range(self.tail)):
+            params = [p for p in self.buckets[b] if p.grad is not None]
+            if params:
+                tail_parts += self.opt._engine_parts(params, step_increment=1)
+        tail_step = self.opt._engine_prepare_inline(tail_parts) if tail_parts else None
+        self.opt._engine_advance_steps()
+        for b in reversed(range(self.tail, len(self.buckets))):
             params = [p for p in self.buckets[b] if p.grad is not None]
             if not params:
                 continue
             spec = self.specs.get(b)
             parts = self.opt._engine_parts(params, step_increment=0)
-            if b < self.tail:
-                tail_parts.append(parts)
-                continue
+            token = self.opt._engine_token(params)
             if spec is not None and len(params) == len(self.buckets[b]):
-                _C._engine_validate(spec.spec, parts)
+                self.jobs[_C._engine_validate(spec.spec, parts)] = (params, token, spec)
                 spec.stepped = True
             else:
                 if spec is not None and not spec.probe:
                     _C._engine_rollback(spec.spec)
                     spec.stepped = True
-                self.opt._engine_submit(parts)
-        if tail_parts:
+                self.jobs[self.opt._engine_submit(parts)] = (params, token, None)
+        if tail_step is not None:
             # The executor steps the tail buckets inline: the next forward starts with them.
             t0 = time.perf_counter()
-            for parts in tail_parts:
-                self.opt._engine_inline(parts)
+            tail_step.run()
             self.inline_seconds += time.perf_counter() - t0
         self.opt._stepped([p for b in self.buckets for p in b if p.grad is not None])
         self._end_step(stepped=True)
@@ -567,6 +614,7 @@ class Engine:
         self.last_spec = None
         if stepped:
             self.host_used = [0, self.host_used[0]]  # this iteration's samples become the last's
+            self.machine_free = [math.inf, self.machine_free[0]]
             self.counts["steps"] += 1
 
     def _exposed(self) -> float:
@@ -680,6 +728,7 @@ class Engine:
 
     def rollback_unstepped(self, skipped: bool) -> None:
         """Undoes speculation whose step() never came (zero_grad, state_dict, a skipped step)."""
+        self._reconcile()
         unstepped = [s for s in self.specs.values() if not s.stepped]
         for s in unstepped:
             _C._engine_rollback(s.spec)
@@ -690,12 +739,40 @@ class Engine:
         self._end_step(stepped=False)
 
     def synchronize(self) -> None:
-        _C._engine_synchronize()
+        try:
+            _C._engine_synchronize()
+        finally:
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Restores the bookkeeping of queued steps that failed on the worker (Note [A job of
+        the asynchronous step that fails], backend/python/EngineModule.cpp) and forgets the
+        jobs that have run."""
+        failed, done = _C._engine_failures(self.owner)
+        for ticket in failed:
+            job = self.jobs.pop(ticket, None)
+            if job is None:
+                continue  # not a step (a snapshot, a rollback)
+            params, token, spec = job
+            if spec is not None:
+                if spec.spec.status() == _SPECULATED:
+                    # Its rollback found no room: the bucket holds the speculative step (the
+                    # count is the step's), and keeps it.
+                    continue
+                if spec in self.outstanding:
+                    self.outstanding.remove(spec)  # no outcome to count
+            self.opt._engine_unstep(params, token)
+            self.counts["failed_buckets"] += 1
+        if self.jobs:
+            self.jobs = {t: j for t, j in self.jobs.items() if t > done}
 
     def stats(self) -> dict:
         # Complete counters (every queued job run), without charging this wait as exposed time:
         # reading the counters each step must not change them.
-        _C._engine_synchronize(charge_exposed=False)
+        try:
+            _C._engine_synchronize(charge_exposed=False)
+        finally:
+            self._reconcile()
         self._harvest()
         s = _C._engine_stats(self.owner)
         elements = max(self.counts["undo_elements"], 1)
@@ -707,6 +784,7 @@ class Engine:
             probed_buckets=self.counts["probed_buckets"],
             deferred_buckets=self.counts["deferred_buckets"],
             abandoned_buckets=self.counts["abandoned_buckets"],
+            failed_buckets=self.counts["failed_buckets"],
             lean_steps=self.counts["lean_steps"],
             steps=self.counts["steps"],
             skipped_steps=self.counts["skipped_steps"],

@@ -218,6 +218,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _stepped(self, params) -> None:
         """After a step of ``params`` was run or queued (SGD: their buffers are not new)."""
 
+    def _engine_token(self, params):
+        """What _engine_unstep needs to undo the bookkeeping of a queued step of ``params``."""
+        return None
+
+    def _engine_unstep(self, params, token) -> None:
+        """A queued step of ``params`` failed on the worker, changing nothing: its bookkeeping
+        goes back (Note [A job of the asynchronous step that fails], EngineModule.cpp)."""
+
     # ---- the engine's hooks into the optimizer (engine.py) ----
 
     def _group_index(self) -> dict:
@@ -469,12 +477,15 @@ class Adam(_FusedOptimizer):
                 if p.grad is not None:
                     self._init_state(group, p)["step"] += 1
 
-    def _engine_submit(self, parts) -> None:
-        _C._engine_adam_step(self._engine.owner, parts)
+    def _engine_unstep(self, params, token) -> None:
+        for p in params:
+            self.state[p]["step"] -= 1
 
-    def _engine_inline(self, parts) -> None:
-        for args in parts:
-            _C._adam_step(*args, stream=_executor_stream(args[0]))
+    def _engine_submit(self, parts) -> int:
+        return _C._engine_adam_step(self._engine.owner, parts)
+
+    def _engine_prepare_inline(self, parts):
+        return _C._prepare_adam_step(parts, _executor_stream(parts[0][0]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -491,12 +502,13 @@ class Adam(_FusedOptimizer):
             return loss
         self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
-        for group, params in zip(self.param_groups, groups):
-            if not params:
-                continue
-            # The counts advance once the kernel returned: it may still raise before it
-            # changed anything (no room to stage an operand), and a retry must see the same.
-            _C._adam_step(*self._group_args(group, params, 1))
+        parts = [self._group_args(group, params, 1) for group, params in zip(self.param_groups, groups) if params]
+        if parts:
+            # Every group in one call, all or nothing, and the counts advance once it returned:
+            # it may still raise before it changed anything (no room to stage an operand), and
+            # a retry must see the same (Note [A step is all or nothing] in optim/FusedStep.h).
+            _C._adam_step(parts)
+        for params in groups:
             for p in params:
                 self.state[p]["step"] += 1
         self._engine.inline_seconds += time.perf_counter() - t0
@@ -604,13 +616,17 @@ class SGD(_FusedOptimizer):
     def _engine_advance_steps(self) -> None:
         pass
 
-    def _engine_submit(self, parts) -> None:
-        for args in parts:
-            _C._engine_sgd_step(self._engine.owner, args)
+    def _engine_token(self, params):
+        return self._new_buffers.intersection(params)  # their first step, if it does not run
 
-    def _engine_inline(self, parts) -> None:
-        for args in parts:
-            _C._sgd_step(*args, stream=_executor_stream(args[0]))
+    def _engine_unstep(self, params, token) -> None:
+        self._new_buffers.update(token)
+
+    def _engine_submit(self, parts) -> int:
+        return _C._engine_sgd_step(self._engine.owner, parts)
+
+    def _engine_prepare_inline(self, parts):
+        return _C._prepare_sgd_step(parts, _executor_stream(parts[0][0]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -621,10 +637,10 @@ class SGD(_FusedOptimizer):
             return loss
         self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
-        for group, params in zip(self.param_groups, groups):
-            if params:
-                _C._sgd_step(*self._group_args(group, params, 0))
-                self._stepped(params)
+        parts = [self._group_args(group, params, 0) for group, params in zip(self.param_groups, groups) if params]
+        if parts:
+            _C._sgd_step(parts)  # all groups or none (see Adam.step)
+        self._stepped([p for params in groups for p in params])
         self._engine.inline_seconds += time.perf_counter() - t0
         self._engine.counts["steps"] += 1
         return loss
@@ -766,8 +782,8 @@ def _measure_steps() -> tuple:
     master, exp_avg, exp_avg_sq = param.float(), torch.zeros(m), torch.zeros(m)
 
     def fused_step(grad):
-        _C._adam_step([param], [grad], [master], [exp_avg], [exp_avg_sq], [None], [1], 1e-6, 0.9,
-                      0.999, 1e-8, 0.0, True, False, False)
+        _C._adam_step([([param], [grad], [master], [exp_avg], [exp_avg_sq], [None], [1], 1e-6, 0.9,
+                        0.999, 1e-8, 0.0, True, False, False)])
 
     step_fp32 = m / _best(lambda: fused_step(g32))
     step_bf16 = m / _best(lambda: fused_step(g16))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -821,6 +822,116 @@ def test_speculation_never_fails_a_run_for_host_memory(monkeypatch, admission):
         assert st["abandoned_buckets"] >= st["buckets"], st
         assert st["speculated_buckets"] >= 2 * st["buckets"], st
     assert superchip.engine._C._engine_snapshot_bytes() == 0  # every snapshot freed
+
+
+def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkeypatch):
+    # Note [Speculation and host memory]: without SUPERCHIP_HOST_BYTES a snapshot was refused
+    # only where the machine could not hold it at that moment, so it could take what the
+    # next forward (or torch's own CPU tensors) needed a moment later. Now a bucket is
+    # admitted only while the machine's lowest free figure, over this iteration and the
+    # last, covers the live snapshots, this one and the reserve. Simulated machine: X bytes
+    # for what superchip allocates, sized so the training fits with its reserve and room for
+    # about half of the snapshots.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+    reserve = 1 << 20
+    seen = []
+
+    def in_use(allocated: bool) -> int:
+        st = superchip.memory_stats()
+        key = "allocated_bytes" if allocated else "reserved_bytes"
+        return st["host." + key] + st["hbm." + key]
+
+    def machine(x):
+        def figures():
+            seen.append((in_use(True), superchip.engine._C._engine_snapshot_bytes()))
+            # (What the tiers cache is mapped: taken from the headroom, counted back by the
+            # engine. Unclamped, so that the allocated bytes alone meet x.)
+            return dict(headroom=x - in_use(False), reserve=reserve, unwritten=0)
+        return figures
+
+    def train(overlap, x=None):
+        if x is not None:
+            monkeypatch.setattr(superchip.engine, "_machine_figures", machine(x))
+        model, opt = _make(torch.float32, overlap)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            _, loss = model(_batch(g), _batch(g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        torch.superchip.synchronize()
+        return model, opt, losses, []
+
+    plain = train(False)
+    train(True, x=1 << 50)  # the training's own use at the engine's samples
+    snapshots = 4 * sum(p.numel() for p in plain[0].parameters())
+    x = max(used - snaps for used, snaps in seen) + reserve + snapshots // 2
+    seen.clear()
+    engine = train(True, x=x)
+    _assert_same(plain, engine)
+    st = engine[1].offload_stats()
+    assert st["speculated_buckets"] > 0 and st["deferred_buckets"] > 0, st
+    assert st["abandoned_buckets"] == 0, st
+    assert max(used for used, _ in seen) <= x - reserve  # at every sample, snapshots included
+    assert superchip.engine._C._engine_snapshot_bytes() == 0
+
+
+@pytest.mark.skipif(os.environ.get("SUPERCHIP_STAGE_HBM_OPERANDS") == "1",
+                    reason="stages hbm operands into pinned CPU memory, which no tier budget bounds")
+def test_a_speculative_step_without_room_to_stage_is_abandoned():
+    # The speculative step stages operands too (a strided parameter here; on a GPU every hbm
+    # one, into pinned memory). Stepped one param group at a time, a later group's
+    # OutOfMemoryError left the earlier groups stepped outside the undo log (validation then
+    # stepped them a second time) and reached the training thread at its next wait. Now the
+    # step binds every group before it writes any (Note [A step is all or nothing] in
+    # optim/FusedStep.h), and one that finds no room abandons its speculation as a snapshot
+    # that finds none does: no error, nothing stepped, and validation runs the plain step.
+    _C = superchip.engine._C
+
+    def setup():
+        torch.manual_seed(0)
+        v = torch.nn.Parameter(torch.randn(256, 256).to("superchip"))
+        w = torch.nn.Parameter(torch.randn(256, 256).to("superchip").t())
+        opt = superchip.optim.AdamW([{"params": [v]}, {"params": [w], "lr": 2e-2}], lr=1e-2, overlap=False)
+        x = torch.randn(8, 256).to("superchip")
+        ((x @ v).square().mean() + (x @ w).square().mean()).backward()
+        opt._prepare_state([v, w])
+        return v, w, opt
+
+    def result(v, w, opt):
+        return [t.detach().cpu() for t in (v, w)] + [opt.state[p][k].cpu() for p in (v, w)
+                                                      for k in ("exp_avg", "exp_avg_sq")]
+
+    v, w, opt = setup()
+    opt.step()
+    want = result(v, w, opt)
+
+    v, w, opt = setup()
+    before = result(v, w, opt)
+    spec = _C._AdamSpeculation(opt._engine.owner, opt._engine_parts([v, w], step_increment=1), False, False)
+    superchip.empty_cache()
+    st = superchip.memory_stats()
+    old = st["hbm.capacity_bytes"], st["host.capacity_bytes"]
+    # Room for the snapshots (two fp32 gradients, 512 KiB, in host), not for staging w (256 KiB).
+    superchip.set_capacity("hbm", st["hbm.allocated_bytes"] + 64 * 1024)
+    superchip.set_capacity("host", st["host.allocated_bytes"] + 640 * 1024)
+    superchip.reset_peak_memory_stats()
+    try:
+        _C._engine_speculate(spec, False)
+        torch.superchip.synchronize()  # raised the step's OutOfMemoryError here
+        assert spec.status() == superchip.engine._ABANDONED
+        # The snapshots were made: the step, not they, found no room.
+        assert superchip.memory_stats()["host.peak_allocated_bytes"] >= st["host.allocated_bytes"] + 512 * 1024
+        assert all(torch.equal(a, b) for a, b in zip(result(v, w, opt), before))  # v too
+    finally:
+        superchip.set_capacity("hbm", old[0])
+        superchip.set_capacity("host", old[1])
+    assert _C._engine_snapshot_bytes() == 0  # freed with the abandoned step
+    _C._engine_validate(spec, opt._engine_parts([v, w], step_increment=1))
+    torch.superchip.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(result(v, w, opt), want))
 
 
 @pytest.mark.parametrize("tail", [0, 1], ids=["no-tail", "tail-bucket"])

@@ -399,47 +399,85 @@ def test_sgd_buffers_made_before_a_load_are_not_taken_for_new():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
+def _cut_both_tiers(room: int):
+    """Both budgets to what is in use plus `room`; returns a function that restores them."""
+    superchip.empty_cache()
+    st = superchip.memory_stats()
+    old = st["hbm.capacity_bytes"], st["host.capacity_bytes"]
+    superchip.set_capacity("hbm", st["hbm.allocated_bytes"] + room)
+    superchip.set_capacity("host", st["host.allocated_bytes"] + room)
+
+    def restore():
+        superchip.set_capacity("hbm", old[0])
+        superchip.set_capacity("host", old[1])
+    return restore
+
+
+@pytest.mark.parametrize("how", ["plain", "engine", "engine-tail"])
 @pytest.mark.parametrize("case", ["adamw", "sgd-dampening"])
-def test_a_step_whose_kernel_finds_no_room_changes_nothing(case):
+def test_a_step_whose_kernel_finds_no_room_changes_nothing(case, how, monkeypatch):
     # The fused kernel stages an operand it cannot address as it is (here a parameter and a
     # gradient that are not contiguous; on a GPU, hbm operands into pinned memory) and that
-    # copy can run out of memory after the state exists. Adam's step counts were advanced
-    # and SGD's new buffers marked old before the kernel ran, so the retry corrected its bias
-    # with the wrong count, or applied dampening to a first step: other bits than a run that
-    # never failed. Now the counts and marks change once the kernel returned.
-    make = {"adamw": lambda ps: superchip.optim.AdamW(ps, lr=1e-2, overlap=False),
-            "sgd-dampening": lambda ps: superchip.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5,
-                                                             overlap=False)}[case]
+    # copy can run out of memory after the state exists. Each way a step reaches the kernel:
+    # - plain: Adam's step counts advanced, and SGD's new buffers were marked old, before the
+    #   kernel ran; and the groups were stepped one at a time, so the first group (contiguous,
+    #   no staging) was stepped when the second raised. The retry stepped it twice, and
+    #   corrected the bias with the wrong count or applied dampening to a first step.
+    # - engine: the queued job raised on the worker, at the next wait, with the counts of its
+    #   parameters advanced at step() (Note [A job of the asynchronous step that fails]).
+    # - engine-tail: the tail bucket, stepped inline after the counts advanced and the other
+    #   buckets' jobs were queued.
+    # Now the step is all or nothing (Note [A step is all or nothing]) and the bookkeeping
+    # follows what ran: a retry once there is room gives the bits of a run that never failed.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+    kw = dict(overlap=how != "plain")
+    if how == "engine-tail":
+        kw.update(tail_buckets=1, bucket_bytes=1 << 30)  # one bucket: the tail
+    make = {"adamw": lambda gs: superchip.optim.AdamW(gs, lr=1e-2, **kw),
+            "sgd-dampening": lambda gs: superchip.optim.SGD(gs, lr=1e-2, momentum=0.9, dampening=0.5, **kw)}[case]
 
     def run(cut: bool):
         torch.manual_seed(0)
+        v = torch.nn.Parameter(torch.randn(256, 256).to("superchip"))
         w = torch.nn.Parameter(torch.randn(256, 256).to("superchip").t())
-        opt = make([w])
+        groups = [{"params": [v]}, {"params": [w], "lr": 2e-2}] if how == "plain" else [w]
+        opt = make(groups)
         x = torch.randn(8, 256).to("superchip")
         for it in range(3):
-            (x @ w).square().mean().backward()
+            ((x @ w).square().mean() + (x @ v).square().mean() * (how == "plain")).backward()
             assert not w.is_contiguous() and not w.grad.is_contiguous()
             if cut and it == 0:
-                opt._prepare_state([w])  # the state fits; the staging copy (256 KiB) does not
-                superchip.empty_cache()
-                st = superchip.memory_stats()
-                old = st["hbm.capacity_bytes"], st["host.capacity_bytes"]
-                superchip.set_capacity("hbm", st["hbm.allocated_bytes"] + 64 * 1024)
-                superchip.set_capacity("host", st["host.allocated_bytes"] + 64 * 1024)
+                if how == "engine-tail":
+                    opt._engine._plan()  # the tail's state goes to hbm (at the first step())
+                opt._prepare_state([v, w] if how == "plain" else [w])  # the state fits
+                before = [t.detach().clone() for t in (v, w)]
+                restore = _cut_both_tiers(64 * 1024)  # the staging copy (256 KiB) does not
                 try:
-                    with pytest.raises(torch.OutOfMemoryError, match="both tiers"):
+                    with pytest.raises(torch.OutOfMemoryError, match="both tiers") as err:
                         opt.step()
+                        torch.superchip.synchronize()
                 finally:
-                    superchip.set_capacity("hbm", old[0])
-                    superchip.set_capacity("host", old[1])
+                    restore()
+                if how == "engine":
+                    assert "That bucket was not stepped" in str(err.value)
+                    assert opt.offload_stats()["failed_buckets"] == 1
+                elif how == "engine-tail":
+                    assert opt.offload_stats()["tail_buckets"] == 1
+                    assert superchip.tier_of(opt.state[w]["exp_avg" if case == "adamw" else "momentum_buffer"]) == "hbm"
+                assert all(torch.equal(a, b) for a, b in zip(before, (v, w)))
+                if case == "adamw":
+                    assert all(opt.state[p]["step"].item() == 0 for p in opt.state)
             opt.step()
             opt.zero_grad()
-        return w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}
+        torch.superchip.synchronize()
+        return [p.detach().cpu() for p in (v, w)], [{k: t.cpu() for k, t in opt.state[p].items()} for p in opt.state]
 
     (want, want_state), (got, got_state) = run(False), run(True)
-    assert torch.equal(got, want)
-    assert got_state.keys() == want_state.keys()
-    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(got_state) == len(want_state)
+    for g, s in zip(got_state, want_state):
+        assert g.keys() == s.keys()
+        assert all(torch.equal(g[k], s[k]) for k in s)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "engine"])
