@@ -14,6 +14,7 @@ namespace superchip {
 namespace {
 
 std::atomic<int64_t> g_live_snapshot_bytes{0};
+std::atomic<int64_t> g_live_undo_bytes{0};
 
 void add_storage(std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out, const at::Tensor& t) {
   if (!t.defined()) return;
@@ -186,12 +187,22 @@ void AdamSpeculation::release_snapshots() {
   snapshot_bytes_ = 0;
 }
 
+void AdamSpeculation::drop_logs() {
+  logs_ = AdamUndoLogs();
+  g_live_undo_bytes.fetch_sub(live_undo_bytes_, std::memory_order_relaxed);
+  live_undo_bytes_ = 0;
+}
+
 AdamSpeculation::~AdamSpeculation() {
-  // A speculation dropped before validation (its step() never came): its snapshots go now.
+  // A speculation dropped before validation (its step() never came): its snapshots and undo
+  // log go now.
   g_live_snapshot_bytes.fetch_sub(snapshot_bytes_, std::memory_order_relaxed);
+  g_live_undo_bytes.fetch_sub(live_undo_bytes_, std::memory_order_relaxed);
 }
 
 int64_t AdamSpeculation::live_snapshot_bytes() { return g_live_snapshot_bytes.load(std::memory_order_relaxed); }
+
+int64_t AdamSpeculation::live_undo_bytes() { return g_live_undo_bytes.load(std::memory_order_relaxed); }
 
 void AdamSpeculation::step() {
   TORCH_CHECK(!probe_, "superchip.optim: internal error: a probe is never stepped speculatively");
@@ -205,7 +216,7 @@ void AdamSpeculation::step() {
     // and the error reached the training thread at its next wait.
     fused_adam_step(parts_, &logs_);
   } catch (const c10::OutOfMemoryError&) {
-    logs_ = AdamUndoLogs();
+    drop_logs();
     release_snapshots();
     int expected = kQueued;
     status_.compare_exchange_strong(expected, kAbandoned);
@@ -214,6 +225,8 @@ void AdamSpeculation::step() {
   }
   undo_bytes_ = logs_.bytes();
   escapes_ = logs_.escape_count();
+  live_undo_bytes_ = logs_.bytes();
+  g_live_undo_bytes.fetch_add(live_undo_bytes_, std::memory_order_relaxed);
   seconds_ = seconds_.load() + seconds_since(t0);
   int expected = kQueued;
   status_.compare_exchange_strong(expected, kSpeculated);
@@ -225,7 +238,7 @@ void AdamSpeculation::rollback() {
     return;
   }
   fused_adam_undo(parts_, logs_);
-  logs_ = AdamUndoLogs();
+  drop_logs();
   release_snapshots();
   status_ = kRolledBack;
 }
@@ -266,7 +279,7 @@ void AdamSpeculation::validate(std::vector<AdamPart> current) {
     }
   }
   if (valid) {
-    logs_ = AdamUndoLogs();
+    drop_logs();
     release_snapshots();
     status_ = kCommitted;
     return;

@@ -50,6 +50,9 @@ class AdamSpeculation final : public SpeculationHold {
   // engine's admission subtracts them from the tier's allocated bytes to see the training's
   // own use (Note [A speculation without memory]).
   static int64_t live_snapshot_bytes();
+  // Bytes the undo logs of speculative steps not yet validated or rolled back hold (any
+  // thread): malloc'd memory outside the tiers, which the engine's admission counts too.
+  static int64_t live_undo_bytes();
 
   // Worker: the bucket's gradients cast-then-moved to host-tier snapshots; kAbandoned (and
   // nothing kept) where there is no memory for them.
@@ -76,6 +79,8 @@ class AdamSpeculation final : public SpeculationHold {
  private:
   // Worker: drops the snapshots (once validated or rolled back, nothing reads them again).
   void release_snapshots();
+  // Worker: drops the undo log (committed, rolled back or abandoned).
+  void drop_logs();
 
   int64_t owner_;
   std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
@@ -84,6 +89,7 @@ class AdamSpeculation final : public SpeculationHold {
   bool probe_;
   bool snapped_ = false;              // parts_' grads are our snapshots (worker only)
   int64_t snapshot_bytes_ = 0;        // their host-tier bytes, in live_snapshot_bytes()
+  int64_t live_undo_bytes_ = 0;       // logs_' bytes, in live_undo_bytes()
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
   std::atomic<int64_t> escapes_{0};

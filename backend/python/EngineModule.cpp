@@ -268,6 +268,7 @@ void bind_engine(py::module& m) {
     }
   });
   m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
+  m.def("_engine_undo_bytes", &AdamSpeculation::live_undo_bytes);
   // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run)
   m.def("_engine_failures", [](int64_t owner) {
     OffloadEngine::Failures f = OffloadEngine::get().take_failures(owner);

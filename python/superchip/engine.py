@@ -36,6 +36,10 @@ from . import _C
 _QUEUED, _SPECULATED, _ROLLED_BACK, _COMMITTED, _REDONE, _PROBE_VALID, _PROBE_INVALID, _ABANDONED = range(8)
 _MAX_BACKOFF = 64
 _LEAN_EXPOSED = 0.1  # Note [Speculation budget]: the wait a lean step may leave, per worker second
+# Note [Speculation and host memory]: a speculation's undo log, in bytes per element, until one
+# was measured (measured: 1.4 at the first speculated step of the demo GPT, 5.1 when clipping
+# changed the gradients; 0.8 from the eighth step).
+_UNDO_BYTES_FIRST = 6.0
 
 
 def speculation_policy() -> str:
@@ -196,6 +200,7 @@ class Engine:
         self.host_used = [0, 0]
         self.machine_free = [math.inf, math.inf]  # without a budget (Note [Speculation and host memory])
         self.machine_reserve = 0
+        self.undo_rate = _UNDO_BYTES_FIRST        # undo log bytes per element, recently
         self.admitted: list = []
         self.inline_seconds = 0.0
         # Note [A job of the asynchronous step that fails] (backend/python/EngineModule.cpp):
@@ -423,6 +428,9 @@ class Engine:
                     failed = True
                 else:
                     committed = True
+                if s.spec.elements() > 0:  # the memory its undo log took: up at once, down halfway
+                    undo = s.spec.undo_bytes() / s.spec.elements()
+                    self.undo_rate = max(undo, 0.5 * (self.undo_rate + undo))
                 seconds = s.spec.seconds()
                 if seconds > 0 and s.spec.elements() > 0:
                     sample = seconds / s.spec.elements()
@@ -452,6 +460,9 @@ class Engine:
     # Note [Speculation and host memory]
     # A speculated (or probed) bucket's gradients are snapshotted into the host tier, 2 or 4
     # bytes per parameter, until step() validates it: memory the plain step never needs.
+    # The speculative step's undo log (ops/cpu/AdamUndo.h: 0.6-1.4 bytes per parameter in
+    # training, 5 where the step is rolled back) is host memory too, outside the tiers: it is
+    # counted beside the snapshots, estimated from recent logs before the step.
     # Where the host tier has a budget (SUPERCHIP_HOST_BYTES), that memory must not be what
     # the training itself needs next: activations and gradients that spill from a full hbm
     # land there too, and a model that trained with overlap=False failed with the engine (its
@@ -496,31 +507,37 @@ class Engine:
         cached = st["host.reserved_bytes"] - st["host.allocated_bytes"]
         if _C._executor() == "cpu":  # the emulated hbm is the machine's memory too
             cached += st["hbm.reserved_bytes"] - st["hbm.allocated_bytes"]
-        free = (figures["headroom"] - figures["unwritten"] + _C._engine_snapshot_bytes() + max(cached, 0))
+        free = (figures["headroom"] - figures["unwritten"] + _C._engine_snapshot_bytes()
+                + _C._engine_undo_bytes() + max(cached, 0))
         self.machine_free[0] = min(self.machine_free[0], free)
         self.machine_reserve = figures["reserve"]
 
-    def _host_admits(self, b: int, cast_fp32: bool) -> int | None:
-        """The snapshot bytes bucket ``b`` takes in host, or None when there is no room for it."""
+    def _host_admits(self, b: int, cast_fp32: bool, probe: bool = False) -> int | None:
+        """The bytes speculating bucket ``b`` takes (its snapshot in host; a speculation's undo
+        log, estimated), or None when there is no room for them."""
         from . import distributed as _dist
 
         local = (p.to_local() if _dist.is_dtensor(p) else p for p in self.buckets[b])  # FSDP2: the shard
-        need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local if t.device.type == "superchip")
+        local = [t for t in local if t.device.type == "superchip"]
+        need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local)
+        undo = 0 if probe else int(self.undo_rate * sum(t.numel() for t in local))
         self._host_sample()  # also the budget: superchip.set_capacity() may change it any time
         pending = sum(n for spec, n in self.admitted if spec.status() == _QUEUED)
-        taken = _C._engine_snapshot_bytes() + pending + need
+        taken = _C._engine_snapshot_bytes() + _C._engine_undo_bytes() + pending + need + undo
         if self.host_cap:
-            return need if taken <= self.host_cap - max(self.host_used) - self.host_cap // 32 else None
-        if self.machine_reserve is None:
-            return need  # no figures: the backing decides
-        return need if taken <= min(self.machine_free) - self.machine_reserve else None
+            room = self.host_cap - max(self.host_used) - self.host_cap // 32
+        elif self.machine_reserve is None:
+            room = math.inf  # no figures: the backing decides
+        else:
+            room = min(self.machine_free) - self.machine_reserve
+        return need + undo if taken <= room else None
 
     def _speculate(self, b: int, probe: bool = False, grads: dict | None = None) -> None:
         if not probe and not self._fits(b):
             self.counts["deferred_buckets"] += 1
             return  # stepped at step()
         cast_fp32 = self.opt._cast_grads_fp32()
-        need = self._host_admits(b, cast_fp32)
+        need = self._host_admits(b, cast_fp32, probe)
         if need is None:
             self.counts["deferred_buckets"] += 1
             return  # stepped at step() (Note [Speculation and host memory])

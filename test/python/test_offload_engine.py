@@ -806,7 +806,7 @@ def test_speculation_never_fails_a_run_for_host_memory(monkeypatch, admission):
     # and the plain step runs (Note [A speculation without memory], AdamBucket.cpp).
     if not admission:
         monkeypatch.setattr(superchip.engine.Engine, "_host_admits",
-                            lambda self, b, cast_fp32: sum(4 * p.numel() for p in self.buckets[b]))
+                            lambda self, b, cast_fp32, probe=False: sum(4 * p.numel() for p in self.buckets[b]))
     plain = _train_with_host_full_from_step_2(False)
     engine = _train_with_host_full_from_step_2(True)
     _assert_same(plain, engine)
@@ -829,9 +829,9 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
     # only where the machine could not hold it at that moment, so it could take what the
     # next forward (or torch's own CPU tensors) needed a moment later. Now a bucket is
     # admitted only while the machine's lowest free figure, over this iteration and the
-    # last, covers the live snapshots, this one and the reserve. Simulated machine: X bytes
-    # for what superchip allocates, sized so the training fits with its reserve and room for
-    # about half of the snapshots.
+    # last, covers the live snapshots and undo logs, this one's and the reserve. Simulated
+    # machine: X bytes for what superchip allocates and the undo logs it mallocs, sized so
+    # the training fits with its reserve and room for about half of the snapshots.
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
     reserve = 1 << 20
     seen = []
@@ -843,10 +843,11 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
 
     def machine(x):
         def figures():
-            seen.append((in_use(True), superchip.engine._C._engine_snapshot_bytes()))
+            C = superchip.engine._C
+            seen.append((in_use(True) + C._engine_undo_bytes(), C._engine_snapshot_bytes() + C._engine_undo_bytes()))
             # (What the tiers cache is mapped: taken from the headroom, counted back by the
             # engine. Unclamped, so that the allocated bytes alone meet x.)
-            return dict(headroom=x - in_use(False), reserve=reserve, unwritten=0)
+            return dict(headroom=x - in_use(False) - C._engine_undo_bytes(), reserve=reserve, unwritten=0)
         return figures
 
     def train(overlap, x=None):
@@ -874,8 +875,43 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
     st = engine[1].offload_stats()
     assert st["speculated_buckets"] > 0 and st["deferred_buckets"] > 0, st
     assert st["abandoned_buckets"] == 0, st
-    assert max(used for used, _ in seen) <= x - reserve  # at every sample, snapshots included
+    assert max(used for used, _ in seen) <= x - reserve  # at every sample, snapshots and logs included
     assert superchip.engine._C._engine_snapshot_bytes() == 0
+    assert superchip.engine._C._engine_undo_bytes() == 0
+
+
+def test_speculation_admission_counts_the_undo_log():
+    # A speculative step's undo log (0.6-5 bytes per parameter, ops/cpu/AdamUndo.h) is host
+    # memory beside the snapshot, outside the tiers. Admission counted the snapshot only; now
+    # it adds the log, estimated from recent ones (Note [Speculation and host memory]), and
+    # counts the live logs as it counts the live snapshots.
+    model, opt = _make(torch.float32, True)
+    g = torch.Generator().manual_seed(1)
+    _, loss = model(_batch(g), _batch(g))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    torch.superchip.synchronize()
+    eng, b = opt._engine, opt._engine.tail
+    n = eng.bucket_elements[b]
+    eng.undo_rate = 2.0
+    old = superchip.memory_stats()["host.capacity_bytes"]
+
+    def admits(room):  # the bucket's answer with `room` bytes free in the budget
+        allocated = superchip.memory_stats()["host.allocated_bytes"]
+        cap = allocated + room
+        while cap - cap // 32 - allocated < room:
+            cap += 1
+        superchip.set_capacity("host", cap)
+        eng.host_used = [0, 0]
+        return eng._host_admits(b, cast_fp32=True)
+
+    try:
+        assert admits(4 * n + 2 * n) == 6 * n            # the snapshot (fp32) and the log
+        assert admits(4 * n + n) is None                 # room for the snapshot, not the log
+        assert eng._host_admits(b, cast_fp32=True, probe=True) == 4 * n  # a probe logs nothing
+    finally:
+        superchip.set_capacity("host", old)
 
 
 @pytest.mark.skipif(os.environ.get("SUPERCHIP_STAGE_HBM_OPERANDS") == "1",

@@ -186,6 +186,36 @@ TEST(OffloadEngine, AJobsExceptionReachesTheNextWait) {
   e.synchronize();  // the error was consumed: the engine goes on
 }
 
+TEST(OffloadEngine, FailedTicketsAreKeptForTheirOwnerOnly) {
+  // The optimizer restores the bookkeeping of a queued step that threw (Note [A job of the
+  // asynchronous step that fails] in backend/python/EngineModule.cpp): it needs the tickets of
+  // its own jobs that threw, each once, and how far the queue has run.
+  OffloadEngine& e = OffloadEngine::get();
+  e.synchronize();
+  e.take_failures(21);
+  e.take_failures(22);
+  auto job = [](int64_t owner, bool fail) {
+    EngineJob j;
+    j.owner = owner;
+    j.run = [fail] {
+      if (fail) throw std::runtime_error("job failed on purpose");
+    };
+    return j;
+  };
+  e.submit(job(21, false));
+  const uint64_t bad = e.submit(job(21, true));
+  e.submit(job(22, false));
+  const uint64_t other = e.submit(job(22, true));
+  const uint64_t last = e.submit(job(21, false));
+  EXPECT_THROW(e.synchronize(), std::runtime_error);
+  const OffloadEngine::Failures mine = e.take_failures(21);
+  EXPECT_EQ(mine.tickets, std::vector<uint64_t>{bad});
+  EXPECT_GE(mine.done_upto, last);
+  EXPECT_TRUE(e.take_failures(21).tickets.empty());  // taken once
+  EXPECT_EQ(e.take_failures(22).tickets, std::vector<uint64_t>{other});
+  e.synchronize();  // the first error was raised; the second stays with its ticket only
+}
+
 TEST(OffloadEngine, FinishedJobsReleasedFromManyThreads) {
   OffloadEngine& e = OffloadEngine::get();
   std::vector<std::thread> threads;
