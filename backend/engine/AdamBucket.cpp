@@ -79,7 +79,7 @@ bool same_hyper(const ops::AdamHyper& a, const ops::AdamHyper& b) {
 // read of the gradient and its snapshot per bucket, beside the step's traffic).
 
 // Bitwise equality of a gradient and its snapshot (which may be its fp32 cast: exact).
-bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
+bool same_bits_or_throw(const at::Tensor& grad, const at::Tensor& snap) {
   if (!grad.defined() || grad.sizes() != snap.sizes()) return false;
   // On the worker: executor temporaries only (Note [The worker's temporaries are the executor's]).
   const auto alias = [](const at::Tensor& t) {
@@ -90,6 +90,16 @@ bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
   const at::Tensor g = (g0.scalar_type() == s.scalar_type() ? g0 : g0.to(s.scalar_type())).contiguous();
   const at::ScalarType bits = s.element_size() == 4 ? at::kInt : at::kShort;
   return at::equal(g.view(bits), s.contiguous().view(bits));
+}
+
+// The comparison casts and makes operands contiguous: without memory for that it answers
+// "not the same", and validation undoes the step (which needs none) and redoes it plainly.
+bool same_bits(const at::Tensor& grad, const at::Tensor& snap) {
+  try {
+    return same_bits_or_throw(grad, snap);
+  } catch (const c10::OutOfMemoryError&) {
+    return false;
+  }
 }
 
 }  // namespace
@@ -188,6 +198,7 @@ void AdamSpeculation::release_snapshots() {
 }
 
 void AdamSpeculation::drop_logs() {
+  staging_.reset();  // before the snapshots go: it holds them too
   logs_ = AdamUndoLogs();
   g_live_undo_bytes.fetch_sub(live_undo_bytes_, std::memory_order_relaxed);
   live_undo_bytes_ = 0;
@@ -214,7 +225,7 @@ void AdamSpeculation::step() {
     // like one whose snapshot found none. Stepped part by part, a later part's error left the
     // earlier ones stepped outside the undo log (validation then stepped them a second time),
     // and the error reached the training thread at its next wait.
-    fused_adam_step(parts_, &logs_);
+    staging_ = fused_adam_step_recorded(parts_, &logs_);
   } catch (const c10::OutOfMemoryError&) {
     drop_logs();
     release_snapshots();
@@ -225,7 +236,7 @@ void AdamSpeculation::step() {
   }
   undo_bytes_ = logs_.bytes();
   escapes_ = logs_.escape_count();
-  live_undo_bytes_ = logs_.bytes();
+  live_undo_bytes_ = logs_.bytes() + staging_->staged_bytes();
   g_live_undo_bytes.fetch_add(live_undo_bytes_, std::memory_order_relaxed);
   seconds_ = seconds_.load() + seconds_since(t0);
   int expected = kQueued;
@@ -237,7 +248,7 @@ void AdamSpeculation::rollback() {
     if (probe_) release_snapshots();  // a probe whose step() never came
     return;
   }
-  fused_adam_undo(parts_, logs_);
+  fused_adam_undo(*staging_, logs_);  // allocates nothing (Note [An undo needs no memory])
   drop_logs();
   release_snapshots();
   status_ = kRolledBack;

@@ -52,7 +52,7 @@ class AdamSpeculation final : public SpeculationHold {
   static int64_t live_snapshot_bytes();
   // Bytes the undo logs of speculative steps not yet validated or rolled back hold (any
   // thread): malloc'd memory outside the tiers, which the engine's admission counts too.
-  static int64_t live_undo_bytes();
+  static int64_t live_undo_bytes();  // (with the staging copies kept for the undo)
 
   // Worker: the bucket's gradients cast-then-moved to host-tier snapshots; kAbandoned (and
   // nothing kept) where there is no memory for them.
@@ -60,7 +60,8 @@ class AdamSpeculation final : public SpeculationHold {
   // Worker: steps from the snapshots, recording the undo log; kAbandoned (snapshots freed,
   // nothing stepped) where the step finds no memory to stage an operand.
   void step();
-  // Worker: undoes the speculative step (exact). No-op unless speculated.
+  // Worker: undoes the speculative step (exact; allocates nothing: Note [An undo needs no
+  // memory] in optim/FusedStep.h). No-op unless speculated.
   void rollback() override;
   // Worker, after step(): commits when `current` grads equal the snapshots bit for bit and the
   // hyper-parameters are unchanged; otherwise rolls back and steps `current`.
@@ -79,17 +80,18 @@ class AdamSpeculation final : public SpeculationHold {
  private:
   // Worker: drops the snapshots (once validated or rolled back, nothing reads them again).
   void release_snapshots();
-  // Worker: drops the undo log (committed, rolled back or abandoned).
+  // Worker: drops the undo log and the staging (committed, rolled back or abandoned).
   void drop_logs();
 
   int64_t owner_;
   std::vector<AdamPart> parts_;       // grads replaced by the snapshots after snapshot()
   AdamUndoLogs logs_;                 // of the whole bucket, every part
+  std::unique_ptr<AdamStaging> staging_;  // the step's bound operands, for the undo
   bool cast_;
   bool probe_;
   bool snapped_ = false;              // parts_' grads are our snapshots (worker only)
   int64_t snapshot_bytes_ = 0;        // their host-tier bytes, in live_snapshot_bytes()
-  int64_t live_undo_bytes_ = 0;       // logs_' bytes, in live_undo_bytes()
+  int64_t live_undo_bytes_ = 0;       // logs_' and staging_'s bytes, in live_undo_bytes()
   std::atomic<int> status_{kQueued};
   std::atomic<int64_t> undo_bytes_{0};
   std::atomic<int64_t> escapes_{0};

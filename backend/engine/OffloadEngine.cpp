@@ -193,7 +193,10 @@ void OffloadEngine::worker_loop() {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (err && !error_) error_ = err;
+      if (err && !error_) {
+        error_ = err;
+        error_owner_ = item.second.owner;
+      }
       if (err) failed_[item.second.owner].push_back(item.first);
       done_upto_ = item.first;
       finish(item.second, secs);
@@ -227,6 +230,21 @@ OffloadEngine::Failures OffloadEngine::take_failures(int64_t owner) {
     failed_.erase(it);
   }
   f.done_upto = done_upto_;
+  if (error_ && error_owner_ == owner) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const c10::OutOfMemoryError& e) {
+      f.error = e.what_without_backtrace();
+      f.out_of_memory = true;
+    } catch (const c10::Error& e) {
+      f.error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      f.error = e.what();
+    } catch (...) {
+      f.error = "superchip: an engine job failed with an unknown exception";
+    }
+    error_ = nullptr;
+  }
   return f;
 }
 

@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -113,10 +114,14 @@ class OffloadEngine {
   uint64_t submit_replacing_hold(EngineJob job, const SpeculationHold* hold);
   OwnerStats stats(int64_t owner);
   // The tickets of `owner`'s jobs that threw since the last call, in order, and the last ticket
-  // that has run (every earlier job has run too).
+  // that has run (every earlier job has run too). Where the error kept for the next wait is one
+  // of `owner`'s, it is taken too (its message; whether it is an out-of-memory error): the
+  // optimizer raises it itself, at its next step().
   struct Failures {
     std::vector<uint64_t> tickets;
     uint64_t done_upto = 0;
+    std::string error;
+    bool out_of_memory = false;
   };
   Failures take_failures(int64_t owner);
   void add_exposed(int64_t owner, double seconds);
@@ -153,7 +158,7 @@ class OffloadEngine {
   std::unordered_map<const c10::StorageImpl*, Entry> pending_;
   std::unordered_map<int64_t, OwnerStats> stats_;
   std::exception_ptr error_;
-  std::unordered_map<int64_t, std::vector<uint64_t>> failed_;  // owner -> tickets that threw
+  int64_t error_owner_ = kNoOwner;  std::unordered_map<int64_t, std::vector<uint64_t>> failed_;  // owner -> tickets that threw
   uint64_t next_ticket_ = 1;
   int64_t last_owner_ = kNoOwner;  // of the last job submitted: synchronize() charges it
   uint64_t done_upto_ = 0;

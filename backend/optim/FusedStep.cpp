@@ -112,6 +112,7 @@ class HostOperand {
     }
   }
   void* data() const { return host_.data_ptr(); }
+  int64_t staged_bytes() const { return staged_ ? static_cast<int64_t>(host_.nbytes()) : 0; }
   void write_back() {
     if (staged_ && written_) copy_through_aliases(original_, host_);
     // The kernel wrote the bytes directly: a staged copy of this weight is stale.
@@ -458,27 +459,45 @@ void compute_sgd_cpu(Bound& b, void*) {
 
 }  // namespace
 
-void fused_adam_step(const std::vector<AdamPart>& parts, AdamUndoLogs* record) {
+void fused_adam_step(const std::vector<AdamPart>& parts) {
   const HiddenFromPythonModes hidden;
   auto bound = bind_adam<HostOperand>(parts);
-  if (!record) {
-    compute_adam_cpu(bound, nullptr);
-  } else {
-    for (const AdamPart& p : parts) {
-      TORCH_CHECK(!p.hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
-    }
-    record->chunks.assign(items_of(bound.arrays).size(), {});
-    const ops::SimdPath path = ops::active_simd_path();
-    run_chunked(bound.device, bound.arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
-      ops::adam_step_recording(bound.hypers[it.tensor], chunk, path, &record->chunks[k]);
-    });
-  }
+  compute_adam_cpu(bound, nullptr);
   bound.write_back();
 }
 
-void fused_adam_undo(const std::vector<AdamPart>& parts, const AdamUndoLogs& log) {
+namespace {
+class BoundStaging final : public AdamStaging {
+ public:
+  explicit BoundStaging(Bound<HostOperand, ops::AdamArrays, ops::AdamHyper> b) : bound(std::move(b)) {}
+  int64_t staged_bytes() const override {
+    int64_t n = 0;
+    for (const HostOperand& o : bound.operands) n += o.staged_bytes();
+    return n;
+  }
+  Bound<HostOperand, ops::AdamArrays, ops::AdamHyper> bound;
+};
+}  // namespace
+
+std::unique_ptr<AdamStaging> fused_adam_step_recorded(const std::vector<AdamPart>& parts, AdamUndoLogs* log) {
   const HiddenFromPythonModes hidden;
-  auto bound = bind_adam<HostOperand>(parts);
+  for (const AdamPart& p : parts) {
+    TORCH_CHECK(!p.hyper.amsgrad, "superchip.optim: internal error: amsgrad steps are not speculated");
+  }
+  auto staging = std::make_unique<BoundStaging>(bind_adam<HostOperand>(parts));
+  auto& bound = staging->bound;
+  log->chunks.assign(items_of(bound.arrays).size(), {});
+  const ops::SimdPath path = ops::active_simd_path();
+  run_chunked(bound.device, bound.arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {
+    ops::adam_step_recording(bound.hypers[it.tensor], chunk, path, &log->chunks[k]);
+  });
+  bound.write_back();
+  return staging;
+}
+
+void fused_adam_undo(AdamStaging& staging, const AdamUndoLogs& log) {
+  const HiddenFromPythonModes hidden;
+  auto& bound = static_cast<BoundStaging&>(staging).bound;
   TORCH_CHECK(log.chunks.size() == items_of(bound.arrays).size(),
               "superchip.optim: internal error: undo log does not match its bucket");
   run_chunked(bound.device, bound.arrays, [&](const Item& it, int64_t k, const ops::AdamArrays& chunk) {

@@ -48,13 +48,36 @@ struct AdamPart {
 // at a time, an out-of-memory error in a later param group left the earlier groups stepped:
 // the plain step's retry stepped them twice, and a speculation's undo never covered them.
 // Only the write-back of staged results (copies into memory that exists) comes after the
-// kernels.
+// kernels. The cost: the staging copies of every group are held at once. That only matters
+// for the plain step (overlap=False) under the CUDA executor, which stages every hbm parameter
+// and gradient into pinned memory, with many param groups (one per layer: the peak goes from
+// a layer's operands to the model's); the engine's jobs stage one bucket at a time.
 
-// Steps the parts in place. With `record`, also writes the undo log (amsgrad is rejected).
-void fused_adam_step(const std::vector<AdamPart>& parts, AdamUndoLogs* record = nullptr);
-// Restores the parts to their values before the recorded step; the gradients must be the bits
-// the step read and the hyper-parameters its own.
-void fused_adam_undo(const std::vector<AdamPart>& parts, const AdamUndoLogs& log);
+// Steps the parts in place.
+void fused_adam_step(const std::vector<AdamPart>& parts);
+
+// Note [An undo needs no memory]
+// A speculative step is undone when validation finds other gradients (clipping) or a reader
+// comes first. The undo reads and writes the same operands as the step, so it needs the same
+// staging copies (a strided parameter; on a GPU every hbm one, into pinned memory), and
+// bound anew it could run out of memory after the step had been applied: the bucket then kept
+// a step made from gradients validation had just rejected (found by review, reproduced with a
+// strided parameter and both tiers full). So the recorded step keeps its bound operands
+// (AdamStaging) until the step is committed or undone, and the undo runs through them: it
+// allocates nothing. The staging copies hold the step's values throughout: the speculation's
+// hold makes every reader or writer of those storages undo the step first.
+class AdamStaging {
+ public:
+  virtual ~AdamStaging() = default;
+  // Bytes the staging copies hold (0 where every operand was addressed in place).
+  virtual int64_t staged_bytes() const = 0;
+};
+// Steps the parts in place, all or nothing, and writes the undo log (amsgrad is rejected);
+// returns the bound operands for fused_adam_undo.
+std::unique_ptr<AdamStaging> fused_adam_step_recorded(const std::vector<AdamPart>& parts, AdamUndoLogs* log);
+// Restores the parts to their values before the recorded step, through its staging; the
+// gradients must be the bits the step read and the hyper-parameters its own. Allocates nothing.
+void fused_adam_undo(AdamStaging& staging, const AdamUndoLogs& log);
 
 struct SgdGroup {
   std::vector<at::Tensor> params;

@@ -269,10 +269,13 @@ void bind_engine(py::module& m) {
   });
   m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
   m.def("_engine_undo_bytes", &AdamSpeculation::live_undo_bytes);
-  // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run)
+  // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run,
+  // the pending error if it was one of them: (message, out of memory) or None)
   m.def("_engine_failures", [](int64_t owner) {
     OffloadEngine::Failures f = OffloadEngine::get().take_failures(owner);
-    return py::make_tuple(f.tickets, f.done_upto);
+    py::object error = py::none();
+    if (!f.error.empty()) error = py::make_tuple(f.error, f.out_of_memory);
+    return py::make_tuple(f.tickets, f.done_upto, error);
   });
   m.def("_engine_stats", [](int64_t owner) {
     const OwnerStats s = OffloadEngine::get().stats(owner);

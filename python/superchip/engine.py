@@ -201,12 +201,16 @@ class Engine:
         self.machine_free = [math.inf, math.inf]  # without a budget (Note [Speculation and host memory])
         self.machine_reserve = 0
         self.undo_rate = _UNDO_BYTES_FIRST        # undo log bytes per element, recently
+        # Whether the CPU step stages hbm parameters (Note [An undo needs no memory]: a
+        # speculation keeps those copies until validated).
+        self.stage_hbm = _C._executor() == "cuda" or os.environ.get("SUPERCHIP_STAGE_HBM_OPERANDS") == "1"
         self.admitted: list = []
         self.inline_seconds = 0.0
         # Note [A job of the asynchronous step that fails] (backend/python/EngineModule.cpp):
         # ticket -> (params, the optimizer's bookkeeping token, _Speculation or None) of the
         # step jobs queued and not known to have run.
         self.jobs: dict = {}
+        self.failure = None  # (message, out of memory): raised by the next step()
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
         # attached, buckets whose local gradients are in but not yet reduced, and the reduced
         # gradients of this backward by parameter.
@@ -461,8 +465,10 @@ class Engine:
     # A speculated (or probed) bucket's gradients are snapshotted into the host tier, 2 or 4
     # bytes per parameter, until step() validates it: memory the plain step never needs.
     # The speculative step's undo log (ops/cpu/AdamUndo.h: 0.6-1.4 bytes per parameter in
-    # training, 5 where the step is rolled back) is host memory too, outside the tiers: it is
-    # counted beside the snapshots, estimated from recent logs before the step.
+    # training, 5 where the step is rolled back) is host memory too, outside the tiers, and so
+    # are the staging copies kept for the undo (Note [An undo needs no memory] in
+    # optim/FusedStep.h: on a GPU, every hbm parameter's): both are counted beside the
+    # snapshots, the log estimated from recent ones before the step.
     # Where the host tier has a budget (SUPERCHIP_HOST_BYTES), that memory must not be what
     # the training itself needs next: activations and gradients that spill from a full hbm
     # land there too, and a model that trained with overlap=False failed with the engine (its
@@ -489,7 +495,10 @@ class Engine:
     # reserve superchip leaves free (limit / 32, at least 256 MiB). With the machine check off
     # (SUPERCHIP_HOST_MEMORY_CHECK=0) or its figures unreadable, nothing is admitted or refused.
 
-    def _host_sample(self) -> None:
+    def _host_sample(self, machine: bool = True) -> None:
+        """Samples the training's own use of host (with a budget) or the machine's free memory
+        (without one: only where ``machine``, at a backward's start and at step(); a read of the
+        kernel's figures costs about 75 us, too much for every bucket)."""
         from . import memory_stats
 
         st = memory_stats(self.buckets[0][0].device)
@@ -498,15 +507,14 @@ class Engine:
             used = st["host.allocated_bytes"] - _C._engine_snapshot_bytes()
             self.host_used[0] = max(self.host_used[0], used)
             return
-        if not (self.speculating or self.probing):
-            return  # (the machine's figures cost 75 us a read: none in a backward that admits nothing)
+        if not machine or not (self.speculating or self.probing):
+            return
         figures = _machine_figures()
         if figures is None:
             self.machine_reserve = None
             return
+        # (Only host's cache: a host block refused by the machine check releases host's own.)
         cached = st["host.reserved_bytes"] - st["host.allocated_bytes"]
-        if _C._executor() == "cpu":  # the emulated hbm is the machine's memory too
-            cached += st["hbm.reserved_bytes"] - st["hbm.allocated_bytes"]
         free = (figures["headroom"] - figures["unwritten"] + _C._engine_snapshot_bytes()
                 + _C._engine_undo_bytes() + max(cached, 0))
         self.machine_free[0] = min(self.machine_free[0], free)
@@ -520,8 +528,14 @@ class Engine:
         local = (p.to_local() if _dist.is_dtensor(p) else p for p in self.buckets[b])  # FSDP2: the shard
         local = [t for t in local if t.device.type == "superchip"]
         need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local)
-        undo = 0 if probe else int(self.undo_rate * sum(t.numel() for t in local))
-        self._host_sample()  # also the budget: superchip.set_capacity() may change it any time
+        undo = 0
+        if not probe:  # the undo log, and the staging copies kept for the undo
+            from . import tier_of
+
+            undo = int(self.undo_rate * sum(t.numel() for t in local))
+            undo += sum(t.numel() * t.element_size() for t in local
+                        if not t.is_contiguous() or (self.stage_hbm and tier_of(t) == "hbm"))
+        self._host_sample(machine=False)  # also the budget: set_capacity() may change it any time
         pending = sum(n for spec, n in self.admitted if spec.status() == _QUEUED)
         taken = _C._engine_snapshot_bytes() + _C._engine_undo_bytes() + pending + need + undo
         if self.host_cap:
@@ -564,6 +578,7 @@ class Engine:
     def step(self) -> None:
         """Queues the step of every bucket in forward order; returns before they run."""
         self._reconcile()
+        self.raise_failure()
         if not self.ddp_tried and self.can_speculate:
             # After the first backward, between backwards (Note [Speculation under DDP]).
             from . import distributed as _dist
@@ -760,24 +775,32 @@ class Engine:
             _C._engine_synchronize()
         finally:
             self._reconcile()
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raises the error of a queued step of this optimizer that failed (Note [A job of the
+        asynchronous step that fails]), once: from the next step(), before it changes anything,
+        or from a synchronize."""
+        if self.failure is not None:
+            (message, oom), self.failure = self.failure, None
+            raise (torch.OutOfMemoryError if oom else RuntimeError)(message)
 
     def _reconcile(self) -> None:
         """Restores the bookkeeping of queued steps that failed on the worker (Note [A job of
         the asynchronous step that fails], backend/python/EngineModule.cpp) and forgets the
         jobs that have run."""
-        failed, done = _C._engine_failures(self.owner)
+        failed, done, error = _C._engine_failures(self.owner)
+        if error is not None and self.failure is None:
+            self.failure = error
         for ticket in failed:
             job = self.jobs.pop(ticket, None)
             if job is None:
                 continue  # not a step (a snapshot, a rollback)
             params, token, spec = job
-            if spec is not None:
-                if spec.spec.status() == _SPECULATED:
-                    # Its rollback found no room: the bucket holds the speculative step (the
-                    # count is the step's), and keeps it.
-                    continue
-                if spec in self.outstanding:
-                    self.outstanding.remove(spec)  # no outcome to count
+            if spec is not None and spec in self.outstanding:
+                self.outstanding.remove(spec)  # no outcome to count
+            if spec is not None and spec.spec.status() == _SPECULATED:
+                continue  # (not for lack of memory: its undo needs none) the step stands
             self.opt._engine_unstep(params, token)
             self.counts["failed_buckets"] += 1
         if self.jobs:
@@ -790,6 +813,7 @@ class Engine:
             _C._engine_synchronize(charge_exposed=False)
         finally:
             self._reconcile()
+        self.raise_failure()
         self._harvest()
         s = _C._engine_stats(self.owner)
         elements = max(self.counts["undo_elements"], 1)

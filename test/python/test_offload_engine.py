@@ -831,7 +831,7 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
     # admitted only while the machine's lowest free figure, over this iteration and the
     # last, covers the live snapshots and undo logs, this one's and the reserve. Simulated
     # machine: X bytes for what superchip allocates and the undo logs it mallocs, sized so
-    # the training fits with its reserve and room for about half of the snapshots.
+    # the training fits with its reserve and room for the snapshots, not for their logs too.
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
     reserve = 1 << 20
     seen = []
@@ -843,10 +843,12 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
 
     def machine(x):
         def figures():
-            C = superchip.engine._C
-            seen.append((in_use(True) + C._engine_undo_bytes(), C._engine_snapshot_bytes() + C._engine_undo_bytes()))
-            # (What the tiers cache is mapped: taken from the headroom, counted back by the
-            # engine. Unclamped, so that the allocated bytes alone meet x.)
+            C, st = superchip.engine._C, superchip.memory_stats()
+            # What the tiers cache is mapped: taken from the headroom; the engine counts host's
+            # back (a host block can reuse it), not hbm's. Unclamped, so that what superchip
+            # holds alone meets x.
+            held = in_use(True) + st["hbm.reserved_bytes"] - st["hbm.allocated_bytes"] + C._engine_undo_bytes()
+            seen.append((held, C._engine_snapshot_bytes() + C._engine_undo_bytes()))
             return dict(headroom=x - in_use(False) - C._engine_undo_bytes(), reserve=reserve, unwritten=0)
         return figures
 
@@ -868,7 +870,7 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
     plain = train(False)
     train(True, x=1 << 50)  # the training's own use at the engine's samples
     snapshots = 4 * sum(p.numel() for p in plain[0].parameters())
-    x = max(used - snaps for used, snaps in seen) + reserve + snapshots // 2
+    x = max(used - snaps for used, snaps in seen) + reserve + snapshots
     seen.clear()
     engine = train(True, x=x)
     _assert_same(plain, engine)
@@ -878,6 +880,18 @@ def test_speculation_without_a_host_budget_leaves_the_machine_its_reserve(monkey
     assert max(used for used, _ in seen) <= x - reserve  # at every sample, snapshots and logs included
     assert superchip.engine._C._engine_snapshot_bytes() == 0
     assert superchip.engine._C._engine_undo_bytes() == 0
+
+
+def test_the_machines_figures_as_the_engine_reads_them(monkeypatch):
+    # The real figures behind the admission without a budget (the test above simulates a
+    # machine): read from /proc and the memory cgroup, with superchip's reserve; off with the
+    # machine check.
+    f = superchip.engine._machine_figures()
+    assert f is not None and set(f) == {"headroom", "reserve", "unwritten"}
+    assert f["headroom"] > 0 and f["unwritten"] >= 0
+    assert 256 << 20 <= f["reserve"] <= 2 << 30  # limit / 32, at least 256 MiB, at most 2 GiB
+    monkeypatch.setenv("SUPERCHIP_HOST_MEMORY_CHECK", "0")
+    assert superchip.engine._machine_figures() is None
 
 
 def test_speculation_admission_counts_the_undo_log():
@@ -906,9 +920,13 @@ def test_speculation_admission_counts_the_undo_log():
         eng.host_used = [0, 0]
         return eng._host_admits(b, cast_fp32=True)
 
+    # (With SUPERCHIP_STAGE_HBM_OPERANDS=1, as on a GPU, the copies of hbm parameters the undo
+    # keeps count too.)
+    staged = sum(p.numel() * p.element_size() for p in eng.buckets[b]
+                 if eng.stage_hbm and superchip.tier_of(p) == "hbm")
     try:
-        assert admits(4 * n + 2 * n) == 6 * n            # the snapshot (fp32) and the log
-        assert admits(4 * n + n) is None                 # room for the snapshot, not the log
+        assert admits(4 * n + 2 * n + staged) == 6 * n + staged  # the snapshot (fp32) and the log
+        assert admits(4 * n + n + staged) is None        # room for the snapshot, not the log
         assert eng._host_admits(b, cast_fp32=True, probe=True) == 4 * n  # a probe logs nothing
     finally:
         superchip.set_capacity("host", old)

@@ -413,44 +413,56 @@ def _cut_both_tiers(room: int):
     return restore
 
 
+def _strided_params():
+    """u and v contiguous, w a transposed view (its step stages a contiguous copy of it, as a
+    GPU stages every hbm operand): their losses are built so backward finishes v, w, then u."""
+    torch.manual_seed(0)
+    u, v = (torch.nn.Parameter(torch.randn(256, 256).to("superchip")) for _ in range(2))
+    w = torch.nn.Parameter(torch.randn(256, 256).to("superchip").t())
+    x = torch.randn(8, 256).to("superchip")
+    loss = lambda: (x @ u).square().mean() + (x @ w).square().mean() + (x @ v).square().mean()  # noqa: E731
+    return u, v, w, loss
+
+
 @pytest.mark.parametrize("how", ["plain", "engine", "engine-tail"])
 @pytest.mark.parametrize("case", ["adamw", "sgd-dampening"])
 def test_a_step_whose_kernel_finds_no_room_changes_nothing(case, how, monkeypatch):
     # The fused kernel stages an operand it cannot address as it is (here a parameter and a
     # gradient that are not contiguous; on a GPU, hbm operands into pinned memory) and that
-    # copy can run out of memory after the state exists. Each way a step reaches the kernel:
+    # copy can run out of memory after the state exists. Two param groups, the strided
+    # parameter in the second; each way a step reaches the kernel:
     # - plain: Adam's step counts advanced, and SGD's new buffers were marked old, before the
-    #   kernel ran; and the groups were stepped one at a time, so the first group (contiguous,
-    #   no staging) was stepped when the second raised. The retry stepped it twice, and
-    #   corrected the bias with the wrong count or applied dampening to a first step.
-    # - engine: the queued job raised on the worker, at the next wait, with the counts of its
-    #   parameters advanced at step() (Note [A job of the asynchronous step that fails]).
-    # - engine-tail: the tail bucket, stepped inline after the counts advanced and the other
-    #   buckets' jobs were queued.
+    #   kernel ran; and the groups were stepped one at a time, so the first group was
+    #   stepped when the second raised. The retry stepped it twice, and corrected the bias
+    #   with the wrong count or applied dampening to a first step.
+    # - engine (one bucket, both groups): the queued job raised on the worker, at the next
+    #   wait, with the first group stepped and every count advanced at step() (Note [A job of
+    #   the asynchronous step that fails]).
+    # - engine-tail (the tail bucket holds both groups; u is a bucket of its own): the tail,
+    #   stepped inline after the counts advanced and u's job was queued.
     # Now the step is all or nothing (Note [A step is all or nothing]) and the bookkeeping
     # follows what ran: a retry once there is room gives the bits of a run that never failed.
     monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
     kw = dict(overlap=how != "plain")
-    if how == "engine-tail":
-        kw.update(tail_buckets=1, bucket_bytes=1 << 30)  # one bucket: the tail
+    if how == "engine":
+        kw.update(bucket_bytes=1 << 30)
+    elif how == "engine-tail":
+        kw.update(tail_buckets=1, bucket_bytes=512 * 1024)
     make = {"adamw": lambda gs: superchip.optim.AdamW(gs, lr=1e-2, **kw),
             "sgd-dampening": lambda gs: superchip.optim.SGD(gs, lr=1e-2, momentum=0.9, dampening=0.5, **kw)}[case]
 
     def run(cut: bool):
-        torch.manual_seed(0)
-        v = torch.nn.Parameter(torch.randn(256, 256).to("superchip"))
-        w = torch.nn.Parameter(torch.randn(256, 256).to("superchip").t())
-        groups = [{"params": [v]}, {"params": [w], "lr": 2e-2}] if how == "plain" else [w]
-        opt = make(groups)
-        x = torch.randn(8, 256).to("superchip")
+        u, v, w, loss = _strided_params()
+        opt = make([{"params": [u, v]}, {"params": [w], "lr": 2e-2}])
         for it in range(3):
-            ((x @ w).square().mean() + (x @ v).square().mean() * (how == "plain")).backward()
+            loss().backward()
             assert not w.is_contiguous() and not w.grad.is_contiguous()
             if cut and it == 0:
                 if how == "engine-tail":
                     opt._engine._plan()  # the tail's state goes to hbm (at the first step())
-                opt._prepare_state([v, w] if how == "plain" else [w])  # the state fits
-                before = [t.detach().clone() for t in (v, w)]
+                    assert [set(b) for b in opt._engine.buckets] == [{v, w}, {u}] and opt._engine.tail == 1
+                opt._prepare_state([u, v, w])  # the state fits
+                before = [t.detach().clone() for t in (u, v, w)]
                 restore = _cut_both_tiers(64 * 1024)  # the staging copy (256 KiB) does not
                 try:
                     with pytest.raises(torch.OutOfMemoryError, match="both tiers") as err:
@@ -462,22 +474,94 @@ def test_a_step_whose_kernel_finds_no_room_changes_nothing(case, how, monkeypatc
                     assert "That bucket was not stepped" in str(err.value)
                     assert opt.offload_stats()["failed_buckets"] == 1
                 elif how == "engine-tail":
-                    assert opt.offload_stats()["tail_buckets"] == 1
                     assert superchip.tier_of(opt.state[w]["exp_avg" if case == "adamw" else "momentum_buffer"]) == "hbm"
-                assert all(torch.equal(a, b) for a, b in zip(before, (v, w)))
+                assert all(torch.equal(a, b) for a, b in zip(before, (u, v, w)))
                 if case == "adamw":
                     assert all(opt.state[p]["step"].item() == 0 for p in opt.state)
             opt.step()
             opt.zero_grad()
         torch.superchip.synchronize()
-        return [p.detach().cpu() for p in (v, w)], [{k: t.cpu() for k, t in opt.state[p].items()} for p in opt.state]
+        return [p.detach().cpu() for p in (u, v, w)], [{k: t.cpu() for k, t in opt.state[p].items()} for p in (u, v, w)]
 
     (want, want_state), (got, got_state) = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert len(got_state) == len(want_state)
     for g, s in zip(got_state, want_state):
         assert g.keys() == s.keys()
         assert all(torch.equal(g[k], s[k]) for k in s)
+
+
+def test_a_queued_step_that_fails_is_raised_by_the_next_step(monkeypatch):
+    # A queued step's error reached only an explicit wait (torch.superchip.synchronize(),
+    # state_dict()): the operators that wait for a pending step do not raise, so a training
+    # loop went on with that bucket silently not stepped. Now the optimizer takes its own
+    # jobs' errors and its next step() raises it, before it changes anything; the step after
+    # goes on (Note [A job of the asynchronous step that fails]).
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+
+    def run(fail: bool):
+        u, v, w, loss = _strided_params()
+        opt = superchip.optim.AdamW([{"params": [u, v]}, {"params": [w], "lr": 2e-2}], lr=1e-2,
+                                    bucket_bytes=1 << 30, overlap=fail)
+        loss().backward()
+        if fail:
+            opt._prepare_state([u, v, w])
+            restore = _cut_both_tiers(64 * 1024)
+            try:
+                opt.step()
+                opt.zero_grad()
+                out = loss()  # waits for the step's job, which fails: no error here
+            finally:
+                restore()
+            out.backward()
+            with pytest.raises(torch.OutOfMemoryError, match="That bucket was not stepped"):
+                opt.step()
+            assert all(opt.state[p]["step"].item() == 0 for p in (u, v, w))
+        else:
+            opt.zero_grad()
+            loss().backward()  # the same gradients: nothing was stepped
+        opt.step()
+        torch.superchip.synchronize()
+        return [p.detach().cpu() for p in (u, v, w)] + [opt.state[p]["exp_avg"].cpu() for p in (u, v, w)]
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_undoing_a_speculation_needs_no_memory(monkeypatch):
+    # A speculative step is undone when a reader comes before step() (here .cpu(); also
+    # zero_grad() without step(), and validation when clipping changed the gradients). The
+    # undo staged the strided parameter anew, so with no room for that copy it failed after
+    # the speculative step had been applied, and the bucket kept it. Now the undo runs
+    # through the step's own staging (Note [An undo needs no memory] in optim/FusedStep.h).
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+
+    def run(overlap: bool, cut: bool):
+        u, v, w, loss = _strided_params()
+        opt = superchip.optim.AdamW([{"params": [u, v]}, {"params": [w], "lr": 2e-2}], lr=1e-2,
+                                    overlap=overlap, bucket_bytes=1 << 30)
+        seen = None
+        for it in range(4):
+            loss().backward()
+            if cut and it == 1:
+                torch.superchip.synchronize()  # the speculation has run
+                assert opt.offload_stats()["speculated_buckets"] == 1
+                restore = _cut_both_tiers(0)
+                try:
+                    seen = [p.detach().cpu() for p in (u, v, w)]  # undoes it first
+                finally:
+                    restore()
+                assert opt.offload_stats()["rolled_back_buckets"] == 1
+                assert superchip.engine._C._engine_undo_bytes() == 0
+            elif it == 1:
+                seen = [p.detach().cpu() for p in (u, v, w)]
+            opt.step()
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        return seen, [p.detach().cpu() for p in (u, v, w)]
+
+    (want_seen, want), (got_seen, got) = run(False, False), run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "engine"])

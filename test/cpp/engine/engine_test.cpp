@@ -214,6 +214,16 @@ TEST(OffloadEngine, FailedTicketsAreKeptForTheirOwnerOnly) {
   EXPECT_TRUE(e.take_failures(21).tickets.empty());  // taken once
   EXPECT_EQ(e.take_failures(22).tickets, std::vector<uint64_t>{other});
   e.synchronize();  // the first error was raised; the second stays with its ticket only
+
+  // Taken by its owner before any wait: the owner raises it, no wait does.
+  const uint64_t mine_again = e.submit(job(23, true));
+  e.submit(job(24, false));
+  while (e.take_failures(24).done_upto < mine_again + 1) std::this_thread::yield();
+  const OffloadEngine::Failures f = e.take_failures(23);
+  EXPECT_EQ(f.tickets, std::vector<uint64_t>{mine_again});
+  EXPECT_NE(f.error.find("job failed on purpose"), std::string::npos);
+  EXPECT_FALSE(f.out_of_memory);
+  EXPECT_NO_THROW(e.synchronize());
 }
 
 TEST(OffloadEngine, FinishedJobsReleasedFromManyThreads) {
