@@ -5,6 +5,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <new>
 
@@ -193,9 +194,9 @@ void OffloadEngine::worker_loop() {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (err && !error_) {
-        error_ = err;
-        error_owner_ = item.second.owner;
+      if (err && std::none_of(errors_.begin(), errors_.end(),
+                              [&](const auto& e) { return e.first == item.second.owner; })) {
+        errors_.emplace_back(item.second.owner, err);
       }
       if (err) failed_[item.second.owner].push_back(item.first);
       done_upto_ = item.first;
@@ -230,22 +231,19 @@ OffloadEngine::Failures OffloadEngine::take_failures(int64_t owner) {
     failed_.erase(it);
   }
   f.done_upto = done_upto_;
-  if (error_ && error_owner_ == owner) {
-    try {
-      std::rethrow_exception(error_);
-    } catch (const c10::OutOfMemoryError& e) {
-      f.error = e.what_without_backtrace();
-      f.out_of_memory = true;
-    } catch (const c10::Error& e) {
-      f.error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      f.error = e.what();
-    } catch (...) {
-      f.error = "superchip: an engine job failed with an unknown exception";
-    }
-    error_ = nullptr;
-  }
   return f;
+}
+
+std::exception_ptr OffloadEngine::take_error(int64_t owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = errors_.begin(); it != errors_.end(); ++it) {
+    if (it->first == owner) {
+      std::exception_ptr err = it->second;
+      errors_.erase(it);
+      return err;
+    }
+  }
+  return nullptr;
 }
 
 void OffloadEngine::release_finished() {
@@ -261,7 +259,7 @@ void OffloadEngine::release_finished() {
   // `done` and `holds` drop their tensors here, on the caller's thread, with no lock held.
 }
 
-void OffloadEngine::wait(uint64_t ticket, int64_t owner) {
+void OffloadEngine::wait(uint64_t ticket, int64_t owner, bool raise_errors) {
   TORCH_CHECK(!t_on_worker, "superchip: internal error: the engine worker waited for itself");
   const auto t0 = std::chrono::steady_clock::now();
   bool waited = false;
@@ -274,13 +272,16 @@ void OffloadEngine::wait(uint64_t ticket, int64_t owner) {
       done_cv_.wait(lock, [&] { return done_upto_ >= ticket; });
     }
     if (waited && owner != kNoOwner) stats_[owner].exposed_seconds += seconds_since(t0);
-    std::swap(err, error_);
+    if (raise_errors && !errors_.empty()) {
+      err = errors_.front().second;
+      errors_.erase(errors_.begin());
+    }
   }
   release_finished();
   if (err) std::rethrow_exception(err);
 }
 
-void OffloadEngine::synchronize(bool charge_exposed) {
+void OffloadEngine::synchronize(bool charge_exposed, bool raise_errors) {
   uint64_t last;
   int64_t owner = kNoOwner;
   {
@@ -290,7 +291,7 @@ void OffloadEngine::synchronize(bool charge_exposed) {
     // then, as this did, lost the wait of a synchronize() that met a running step.
     if (charge_exposed) owner = last_owner_;
   }
-  wait(last, owner);
+  wait(last, owner, raise_errors);
 }
 
 void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {

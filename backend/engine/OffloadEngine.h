@@ -18,9 +18,11 @@
 //  - CUDA executor: a job runs after the GPU work its submitting thread had queued when it
 //    was submitted (an event per device), not after work queued since; the worker's own GPU
 //    copies run on side streams (Note [Engine jobs and GPU streams]).
-//  - Exceptions thrown by a job are kept and re-raised by the next wait/synchronize (the first
-//    one; the worker goes on with the next job), and the job's ticket is kept for its owner
-//    until take_failures() (the optimizer restores the bookkeeping of a step that did not run).
+//  - Exceptions thrown by a job are kept, the first of each owner, until raised once: by the
+//    next wait/synchronize that raises errors (the oldest kept, whoever's), or by its owner
+//    (take_error(): an optimizer raises its own from its next step()). The worker goes on with
+//    the next job. The job's ticket is kept for its owner until take_failures() (the optimizer
+//    restores the bookkeeping of a step that did not run).
 //  - fork() (Note [Fork] in register/Fork.cpp): prepare_fork() waits until every queued job
 //    has run and keeps the engine locked until after_fork(); a child starts with no job in
 //    flight and no worker, and its first job starts a new worker.
@@ -81,12 +83,13 @@ class OffloadEngine {
   // Queues `job`; returns its ticket (tickets increase by one per job).
   uint64_t submit(EngineJob job);
   // Blocks until the job with `ticket` (and every job before it) has run; counts the wait as
-  // exposed time of `owner` (kNoOwner: of no one). Re-raises a job's exception.
+  // exposed time of `owner` (kNoOwner: of no one). Re-raises the oldest kept job exception.
   static constexpr int64_t kNoOwner = -1;
-  void wait(uint64_t ticket, int64_t owner);
+  void wait(uint64_t ticket, int64_t owner, bool raise_errors = true);
   // Waits for every queued job; the wait counts as exposed time of the last job's owner, unless
   // `charge_exposed` is false (offload_stats(): reading the counters must not change them).
-  void synchronize(bool charge_exposed = true);
+  // `raise_errors` false: kept exceptions stay for their owners (an optimizer's own wait).
+  void synchronize(bool charge_exposed = true, bool raise_errors = true);
   // Called for every operand of an operator: returns at once when nothing is pending.
   void wait_for_storage(const c10::StorageImpl* s);
   // Called on the worker, outside the engine's lock, for each storage of a job after it ran
@@ -114,16 +117,14 @@ class OffloadEngine {
   uint64_t submit_replacing_hold(EngineJob job, const SpeculationHold* hold);
   OwnerStats stats(int64_t owner);
   // The tickets of `owner`'s jobs that threw since the last call, in order, and the last ticket
-  // that has run (every earlier job has run too). Where the error kept for the next wait is one
-  // of `owner`'s, it is taken too (its message; whether it is an out-of-memory error): the
-  // optimizer raises it itself, at its next step().
+  // that has run (every earlier job has run too).
   struct Failures {
     std::vector<uint64_t> tickets;
     uint64_t done_upto = 0;
-    std::string error;
-    bool out_of_memory = false;
   };
   Failures take_failures(int64_t owner);
+  // `owner`'s kept exception, if one was not raised yet; it will not be raised again.
+  std::exception_ptr take_error(int64_t owner);
   void add_exposed(int64_t owner, double seconds);
   // Releases finished jobs' tensors; call from a thread that may take the GIL.
   void release_finished();
@@ -157,8 +158,8 @@ class OffloadEngine {
   std::vector<std::shared_ptr<SpeculationHold>> ended_holds_;  // released with finished_
   std::unordered_map<const c10::StorageImpl*, Entry> pending_;
   std::unordered_map<int64_t, OwnerStats> stats_;
-  std::exception_ptr error_;
-  int64_t error_owner_ = kNoOwner;  std::unordered_map<int64_t, std::vector<uint64_t>> failed_;  // owner -> tickets that threw
+  std::vector<std::pair<int64_t, std::exception_ptr>> errors_;  // (owner, its first), oldest first
+  std::unordered_map<int64_t, std::vector<uint64_t>> failed_;  // owner -> tickets that threw
   uint64_t next_ticket_ = 1;
   int64_t last_owner_ = kNoOwner;  // of the last job submitted: synchronize() charges it
   uint64_t done_upto_ = 0;

@@ -64,8 +64,12 @@ void fused_adam_step(const std::vector<AdamPart>& parts);
 // a step made from gradients validation had just rejected (found by review, reproduced with a
 // strided parameter and both tiers full). So the recorded step keeps its bound operands
 // (AdamStaging) until the step is committed or undone, and the undo runs through them: it
-// allocates nothing. The staging copies hold the step's values throughout: the speculation's
-// hold makes every reader or writer of those storages undo the step first.
+// allocates nothing (on a GPU, as long as the parameter is contiguous: the write-back into a
+// strided hbm parameter may take a device temporary). The staging copies hold the step's values
+// throughout: the speculation's hold makes every reader or writer of those storages undo the
+// step first. The cost: every speculated bucket's copies are held until step() validates it
+// (on a GPU, pinned copies of its hbm parameters), where they were held one bucket at a time;
+// the engine's admission counts them (Note [Speculation and host memory], engine.py).
 class AdamStaging {
  public:
   virtual ~AdamStaging() = default;

@@ -77,11 +77,14 @@ std::vector<at::Tensor> tensors_of(const std::vector<AdamPart>& parts) {
 // A queued step (or a validation's redo) can raise on the worker: no memory to stage an
 // operand (an hbm one into pinned memory on a GPU, a strided one on the CPU executor). The
 // step is all or nothing (Note [A step is all or nothing] in optim/FusedStep.h), so that
-// bucket is as before; the other buckets of the step() were stepped. The error reaches the
-// training thread at its next wait, in whatever operator that is, so it says what happened
-// and what to do; the optimizer takes the failed tickets (take_failures) and restores the
-// bucket's bookkeeping (step counts, SGD's first-step marks: python/superchip/engine.py,
-// Engine._reconcile), so the next step of those parameters is their next step.
+// bucket is as before; the other buckets of the step() were stepped. The optimizer takes the
+// failed tickets (take_failures) and restores the bucket's bookkeeping (step counts, SGD's
+// first-step marks: python/superchip/engine.py, Engine._reconcile), so the next step of those
+// parameters is their next step. The operators that wait for a pending step do not raise, so
+// the error is kept for its optimizer (OffloadEngine::take_error): its next step() raises it
+// before changing anything (or its synchronize, or the first torch.superchip.synchronize()),
+// saying what happened and what to do. Kept in one slot for all, a second optimizer's error
+// was dropped, and another optimizer's state_dict() raised the first's (found by review).
 template <typename F>
 void run_step_job(const char* what, size_t params, const F& body) {
   try {
@@ -238,10 +241,10 @@ void bind_engine(py::module& m) {
     py::gil_scoped_release no_gil;
     OffloadEngine::get().wait(ticket, owner);
   });
-  m.def("_engine_synchronize", [](bool charge_exposed) {
+  m.def("_engine_synchronize", [](bool charge_exposed, bool raise_errors) {
     py::gil_scoped_release no_gil;
-    OffloadEngine::get().synchronize(charge_exposed);
-  }, py::arg("charge_exposed") = true);
+    OffloadEngine::get().synchronize(charge_exposed, raise_errors);
+  }, py::arg("charge_exposed") = true, py::arg("raise_errors") = true);
   // Compiled graphs read data_ptr() directly, past the dispatcher's check (Forward.cpp): the
   // Inductor wrapper calls this with its inputs first (python/superchip/_inductor/codegen.py).
   // The waits run without the GIL, as _engine_wait does: a job may need it (a CUDA allocation
@@ -269,13 +272,14 @@ void bind_engine(py::module& m) {
   });
   m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
   m.def("_engine_undo_bytes", &AdamSpeculation::live_undo_bytes);
-  // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run,
-  // the pending error if it was one of them: (message, out of memory) or None)
+  // (tickets of `owner`'s jobs that raised since the last call, the last ticket that has run)
   m.def("_engine_failures", [](int64_t owner) {
     OffloadEngine::Failures f = OffloadEngine::get().take_failures(owner);
-    py::object error = py::none();
-    if (!f.error.empty()) error = py::make_tuple(f.error, f.out_of_memory);
-    return py::make_tuple(f.tickets, f.done_upto, error);
+    return py::make_tuple(f.tickets, f.done_upto);
+  });
+  // Raises `owner`'s kept job exception, if one was not raised yet (its own type and message).
+  m.def("_engine_raise_error", [](int64_t owner) {
+    if (std::exception_ptr err = OffloadEngine::get().take_error(owner)) std::rethrow_exception(err);
   });
   m.def("_engine_stats", [](int64_t owner) {
     const OwnerStats s = OffloadEngine::get().stats(owner);

@@ -187,6 +187,7 @@ class Engine:
         self.lean_trial = False              # this lean step is a trial after speculating
         self.last_spec = None
         self.bucket_elements: list = []
+        self.bucket_staged: list = []        # bytes its CPU step stages (_staged_bytes)
         self.backoff = 1
         self.cooldown = 0
         self.probing = False
@@ -210,7 +211,6 @@ class Engine:
         # ticket -> (params, the optimizer's bookkeeping token, _Speculation or None) of the
         # step jobs queued and not known to have run.
         self.jobs: dict = {}
-        self.failure = None  # (message, out of memory): raised by the next step()
         # Under DDP (Note [Speculation under DDP] in distributed.py): the hook's state once
         # attached, buckets whose local gradients are in but not yet reduced, and the reduced
         # gradients of this backward by parameter.
@@ -242,7 +242,8 @@ class Engine:
     def stop(self) -> None:
         """Turns the engine off for good (a parameter it cannot guard joined): the plain step."""
         self.rollback_unstepped(skipped=False)
-        self.synchronize()
+        _C._engine_synchronize(raise_errors=False)  # a failed step's error: the next step()'s
+        self._reconcile()
         if self.tail and self.buckets:  # the plain CPU step cannot address hbm state (CUDA)
             self.opt._engine_place_state(self.buckets, 0)
             self.tail = 0
@@ -528,13 +529,8 @@ class Engine:
         local = (p.to_local() if _dist.is_dtensor(p) else p for p in self.buckets[b])  # FSDP2: the shard
         local = [t for t in local if t.device.type == "superchip"]
         need = sum(t.numel() * (4 if cast_fp32 else t.element_size()) for t in local)
-        undo = 0
-        if not probe:  # the undo log, and the staging copies kept for the undo
-            from . import tier_of
-
-            undo = int(self.undo_rate * sum(t.numel() for t in local))
-            undo += sum(t.numel() * t.element_size() for t in local
-                        if not t.is_contiguous() or (self.stage_hbm and tier_of(t) == "hbm"))
+        # The undo log, and the staging copies kept for the undo (as placed at the last plan).
+        undo = 0 if probe else int(self.undo_rate * sum(t.numel() for t in local)) + self.bucket_staged[b]
         self._host_sample(machine=False)  # also the budget: set_capacity() may change it any time
         pending = sum(n for spec, n in self.admitted if spec.status() == _QUEUED)
         taken = _C._engine_snapshot_bytes() + _C._engine_undo_bytes() + pending + need + undo
@@ -717,12 +713,23 @@ class Engine:
         self.bucket_elements = [sum(p.numel() for p in bucket) for bucket in self.buckets]
         self._forget_leads()
         self.tail = self.opt._engine_place_state(self.buckets, self._choose_tail())
+        self.bucket_staged = [self._staged_bytes(bucket) for bucket in self.buckets]
         self.specs = {}
         self.probe_bucket = None
 
+    def _staged_bytes(self, bucket) -> int:
+        """What the CPU step of `bucket` stages (Note [An undo needs no memory]): its strided
+        parameters, and with the CUDA executor its hbm ones."""
+        from . import tier_of
+        from . import distributed as _dist
+
+        local = (p.to_local() if _dist.is_dtensor(p) else p for p in bucket)
+        return sum(t.numel() * t.element_size() for t in local if t.device.type == "superchip"
+                   and (not t.is_contiguous() or (self.stage_hbm and tier_of(t) == "hbm")))
+
     def forget_buckets(self) -> None:
         """The parameters changed (a new param group): step() plans the buckets again."""
-        self.buckets, self.bucket_of, self.bucket_elements = [], {}, []
+        self.buckets, self.bucket_of, self.bucket_elements, self.bucket_staged = [], {}, [], []
         self._forget_leads()
 
     def _forget_leads(self) -> None:
@@ -771,27 +778,21 @@ class Engine:
         self._end_step(stepped=False)
 
     def synchronize(self) -> None:
-        try:
-            _C._engine_synchronize()
-        finally:
-            self._reconcile()
+        _C._engine_synchronize(raise_errors=False)  # another optimizer's error is its own
+        self._reconcile()
         self.raise_failure()
 
     def raise_failure(self) -> None:
         """Raises the error of a queued step of this optimizer that failed (Note [A job of the
-        asynchronous step that fails]), once: from the next step(), before it changes anything,
-        or from a synchronize."""
-        if self.failure is not None:
-            (message, oom), self.failure = self.failure, None
-            raise (torch.OutOfMemoryError if oom else RuntimeError)(message)
+        asynchronous step that fails]), once: from its next step(), before that changes
+        anything, from its synchronize, or from the first torch.superchip.synchronize()."""
+        _C._engine_raise_error(self.owner)
 
     def _reconcile(self) -> None:
         """Restores the bookkeeping of queued steps that failed on the worker (Note [A job of
         the asynchronous step that fails], backend/python/EngineModule.cpp) and forgets the
         jobs that have run."""
-        failed, done, error = _C._engine_failures(self.owner)
-        if error is not None and self.failure is None:
-            self.failure = error
+        failed, done = _C._engine_failures(self.owner)
         for ticket in failed:
             job = self.jobs.pop(ticket, None)
             if job is None:
@@ -809,10 +810,8 @@ class Engine:
     def stats(self) -> dict:
         # Complete counters (every queued job run), without charging this wait as exposed time:
         # reading the counters each step must not change them.
-        try:
-            _C._engine_synchronize(charge_exposed=False)
-        finally:
-            self._reconcile()
+        _C._engine_synchronize(charge_exposed=False, raise_errors=False)
+        self._reconcile()
         self.raise_failure()
         self._harvest()
         s = _C._engine_stats(self.owner)

@@ -500,6 +500,7 @@ class Adam(_FusedOptimizer):
         if self._engine.overlap:
             self._engine.step()
             return loss
+        self._engine.raise_failure()  # of a queued step before the engine stopped
         self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
         parts = [self._group_args(group, params, 1) for group, params in zip(self.param_groups, groups) if params]
@@ -635,6 +636,7 @@ class SGD(_FusedOptimizer):
         if self._engine.overlap:
             self._engine.step()
             return loss
+        self._engine.raise_failure()  # of a queued step before the engine stopped
         self._prepare_state([p for params in groups for p in params])
         t0 = time.perf_counter()
         parts = [self._group_args(group, params, 0) for group, params in zip(self.param_groups, groups) if params]

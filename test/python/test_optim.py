@@ -527,6 +527,81 @@ def test_a_queued_step_that_fails_is_raised_by_the_next_step(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _failing_step(opt, params, loss):
+    """A step() of `opt` whose queued job runs out of memory (both tiers cut while it runs)."""
+    loss().backward()
+    opt._prepare_state(params)
+    restore = _cut_both_tiers(64 * 1024)
+    try:
+        opt.step()
+        opt.zero_grad()
+        out = loss()  # waits for the job
+    finally:
+        restore()
+    return out
+
+
+def test_a_queued_steps_error_is_its_optimizers_own(monkeypatch):
+    # One slot held a job's error: a second optimizer's failure was dropped while the first's
+    # waited (that bucket silently not stepped), and another optimizer's state_dict() took
+    # the error, which then never reached its own loop. Now each optimizer's error is kept for
+    # it: its next step() raises it, or the first torch.superchip.synchronize().
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+    make = lambda ps: superchip.optim.AdamW(ps, lr=1e-2, bucket_bytes=1 << 30)  # noqa: E731
+    u, v, w, loss = _strided_params()
+    a, b = make([w]), make([u, v])
+    _failing_step(a, [w], loss)
+    b.state_dict()  # does not raise a's error
+    loss().backward()  # a's hook reconciles: its count goes back, its error stays
+    assert a.state[w]["step"].item() == 0
+    a.zero_grad()
+    b.zero_grad()
+    with pytest.raises(torch.OutOfMemoryError, match="That bucket was not stepped"):
+        torch.superchip.synchronize()  # the end of a loop: raised there
+    # Two optimizers fail: each raises its own, once.
+    _, _, w2, loss2 = _strided_params()
+    c = make([w2])
+    loss2().backward()  # (c's state, made before the cut)
+    c._prepare_state([w2])
+    c.zero_grad()
+    _failing_step(a, [w], lambda: loss() + loss2())
+    loss2().backward()
+    c._prepare_state([w2])
+    restore = _cut_both_tiers(64 * 1024)
+    try:
+        c.step()
+        out = loss() + loss2()  # waits for c's job
+    finally:
+        restore()
+    out.backward()
+    for opt in (a, c):
+        with pytest.raises(torch.OutOfMemoryError, match="That bucket was not stepped"):
+            opt.step()
+        opt.step()
+    assert a.state[w]["step"].item() == 1 and c.state[w2]["step"].item() == 1
+
+
+def test_an_engine_stopped_with_a_failed_step_stops_and_raises_at_the_next_step(monkeypatch):
+    # add_param_group with a CPU parameter turns a default engine off (stop()); its wait raised
+    # a failed step's error before the hooks were removed and overlap turned off, and the
+    # optimizer went on through the engine with a CPU parameter. Now stop() completes and the
+    # plain step raises the error, once.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+    u, v, w, loss = _strided_params()
+    opt = superchip.optim.AdamW([w], lr=1e-2)
+    _failing_step(opt, [w], loss)
+    cpu = torch.nn.Parameter(torch.randn(4))
+    opt.add_param_group({"params": [cpu]})
+    assert not opt._engine.overlap and not opt._engine.hooks
+    loss().backward()
+    cpu.grad = torch.ones(4)
+    with pytest.raises(torch.OutOfMemoryError, match="That bucket was not stepped"):
+        opt.step()
+    assert opt.state[w]["step"].item() == 0
+    opt.step()
+    assert opt.state[w]["step"].item() == 1 and opt.state[cpu]["step"].item() == 1
+
+
 def test_undoing_a_speculation_needs_no_memory(monkeypatch):
     # A speculative step is undone when a reader comes before step() (here .cpu(); also
     # zero_grad() without step(), and validation when clipping changed the gradients). The
