@@ -490,11 +490,14 @@ class Engine:
     # loader's batches, which nothing refuses) needed a moment later: the kernel's OOM killer
     # then ends the run that trains with overlap=False. So the engine samples, at the same
     # points, what the machine leaves free for the training -- the headroom, less superchip's
-    # blocks not yet written, plus the live snapshots and superchip's cached blocks (both
-    # reusable) -- and admits a bucket only while the lowest such figure of this iteration and
-    # the last covers the live snapshots, those admitted but not taken, this one's, and the
-    # reserve superchip leaves free (limit / 32, at least 256 MiB). With the machine check off
-    # (SUPERCHIP_HOST_MEMORY_CHECK=0) or its figures unreadable, nothing is admitted or refused.
+    # blocks not yet written, plus the live snapshots and undo logs (freed once validated) and
+    # the host tier's cached blocks (a host block reuses them; hbm's it cannot) -- and admits a
+    # bucket only while the lowest such figure of a backward's start and step(), this iteration
+    # and the last, covers the live snapshots and logs, those admitted but not taken, this
+    # one's, and the reserve superchip leaves free (limit / 32, at least 256 MiB). The figures
+    # cost about 75 us a read, so they are read only there, and only in a backward that
+    # speculates or probes. With the machine check off (SUPERCHIP_HOST_MEMORY_CHECK=0) or its
+    # figures unreadable, nothing is admitted or refused here.
 
     def _host_sample(self, machine: bool = True) -> None:
         """Samples the training's own use of host (with a budget) or the machine's free memory
