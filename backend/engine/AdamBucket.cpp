@@ -278,16 +278,27 @@ void AdamSpeculation::validate(std::vector<AdamPart> current) {
     return;
   }
   bool valid = status_.load() == kSpeculated;
-  for (size_t k = 0; valid && k < parts_.size(); ++k) {
-    const AdamGroup& was = parts_[k].group;
-    const AdamGroup& now = current[k].group;
-    valid = same_hyper(parts_[k].hyper, current[k].hyper) && was.params.size() == now.params.size() &&
-            was.steps == now.steps;
-    for (size_t i = 0; valid && i < now.params.size(); ++i) {
-      // Always the bytes: a gradient's object and version counter say nothing about writes
-      // through .data or to a DTensor gradient's local shard (Note [Validation compares bytes]).
-      valid = same_param(now.params[i], was.params[i]) && same_bits(now.grads[i], was.grads[i]);
+  try {
+    for (size_t k = 0; valid && k < parts_.size(); ++k) {
+      const AdamGroup& was = parts_[k].group;
+      const AdamGroup& now = current[k].group;
+      valid = same_hyper(parts_[k].hyper, current[k].hyper) && was.params.size() == now.params.size() &&
+              was.steps == now.steps;
+      for (size_t i = 0; valid && i < now.params.size(); ++i) {
+        // Always the bytes: a gradient's object and version counter say nothing about writes
+        // through .data or to a DTensor gradient's local shard (Note [Validation compares bytes]).
+        valid = same_param(now.params[i], was.params[i]) && same_bits(now.grads[i], was.grads[i]);
+      }
     }
+  } catch (...) {
+    // Note [A validation that fails]: the comparison could not be made (not for lack of
+    // memory: that answers "not the same"). Nothing says the speculation used the gradients
+    // step() was given, so it does not stand: it is undone (which needs no memory) and the
+    // job fails, so the bucket is left unstepped, as a failed plain job leaves it, and its
+    // optimizer raises the error at its next step().
+    rollback();
+    release_snapshots();
+    throw;
   }
   if (valid) {
     drop_logs();

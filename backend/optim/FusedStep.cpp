@@ -2,6 +2,8 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -157,6 +159,41 @@ class ExecutorOperand {
   at::Tensor exec_;
   bool written_;
   bool staged_ = false;
+};
+
+// HostOperand for the windowed step (Note [The step's staging window] in FusedStep.h): a
+// contiguous operand the kernel cannot address (hbm under the CUDA executor) is not staged
+// whole here but slice by slice through the window, by run_windowed(); every other operand is
+// bound as HostOperand binds it (in place, or a strided one staged whole).
+class WindowOperand {
+ public:
+  static constexpr bool kOnHost = true;
+  static bool addressable(const at::Tensor& t) { return host_addressable(t); }
+
+  WindowOperand(const at::Tensor& t, bool written) : original_(t), written_(written) {
+    if (t.is_contiguous() && (!host_addressable(t) || staged_for_emulation(t))) {
+      wait_pending(t);
+    } else {
+      bound_.emplace(t, written);
+    }
+  }
+  bool windowed() const { return !bound_.has_value(); }
+  // Null for a windowed operand: run_windowed() points the kernel at the window.
+  void* data() const { return bound_ ? bound_->data() : nullptr; }
+  const at::Tensor& original() const { return original_; }
+  bool written() const { return written_; }
+  void write_back() {
+    if (bound_) {
+      bound_->write_back();
+    } else if (written_) {  // its bytes went back window by window
+      WeightStreamer::get().note_written(original_.storage().unsafeGetStorageImpl());
+    }
+  }
+
+ private:
+  at::Tensor original_;
+  bool written_;
+  std::optional<HostOperand> bound_;
 };
 
 template <typename Operand>
@@ -457,12 +494,209 @@ void compute_sgd_cpu(Bound& b, void*) {
   });
 }
 
+// ---- Note [The step's staging window] (FusedStep.h): the plain step ----
+
+constexpr int64_t kWindowAlign = 64;  // bytes: each slice in the window starts on a cache line
+constexpr int64_t kMinWindowBytes = 4096;
+constexpr int64_t kDefaultWindowBytes = int64_t{64} << 20;
+
+int64_t align_up(int64_t v) { return (v + kWindowAlign - 1) / kWindowAlign * kWindowAlign; }
+
+int64_t step_window_bytes() {
+  const char* env = std::getenv("SUPERCHIP_STEP_WINDOW_BYTES");
+  if (env == nullptr || *env == '\0') return kDefaultWindowBytes;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && v >= kMinWindowBytes,
+              "SUPERCHIP_STEP_WINDOW_BYTES must be a whole number of bytes, at least ", kMinWindowBytes,
+              "; got '", env, "'. Unset it for the default (", kDefaultWindowBytes, ").");
+  return static_cast<int64_t>(v);
+}
+
+// `n` elements of `dtype` at element offset `offset` of `storage`: a superchip tensor made
+// without the dispatcher or autograd (a view of a parameter that requires grad would be an
+// autograd view, and the write-back is the backend's own write, not the user's).
+at::Tensor flat_view(const c10::Storage& storage, int64_t offset, int64_t n, at::ScalarType dtype) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage),
+                                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                   c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_contiguous({n});
+  impl->set_storage_offset(offset);
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor flat_range(const at::Tensor& t, int64_t begin, int64_t n) {
+  return flat_view(t.storage(), t.storage_offset() + begin, n, t.scalar_type());
+}
+
+// The window of `device`: a host-tier block (pinned and mapped under the CUDA executor; counted
+// in host's statistics, where torch's pinned cache would have kept the largest step's copies
+// for good, outside every budget). Without room for `want` bytes it takes half, down to
+// kMinWindowBytes, and only then raises, before anything was written.
+c10::Storage window_storage(int64_t want, c10::DeviceIndex device) {
+  int64_t size = want;
+  for (;;) {
+    try {
+      return c10::Storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(size),
+                          allocate_in_tier(static_cast<size_t>(size), Tier::kHost, device),
+                          &superchip_allocator(), /*resizable=*/false);
+    } catch (const c10::OutOfMemoryError& e) {
+      if (size <= kMinWindowBytes) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "superchip.optim: the step copies the hbm parameters and gradients ",
+                         "the CPU cannot address through a staging window in host, and host has no room even for ",
+                         size, " bytes: ", e.what_without_backtrace(),
+                         "\nNothing was stepped. Free host memory (or raise its budget) and call step() again.");
+      }
+      size = std::max(kMinWindowBytes, size / 2);
+    }
+  }
+}
+
+// The CPU reads the window once the copies into it, queued on the current stream, have run.
+void wait_for_window_copies(c10::DeviceIndex device) {
+  if (executor() != Executor::kCuda) return;
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
+  impl->synchronizeStream(impl->getStream(c10::Device(c10::DeviceType::PrivateUse1, device)));
+}
+
+// One array's share of a window: elements [begin, begin + n) of array `array`; where its
+// gradient / parameter go through the window, their byte offsets in it (else -1).
+struct Piece {
+  size_t array;
+  int64_t begin;
+  int64_t n;
+  int64_t grad_at = -1;
+  int64_t param_at = -1;
+};
+
+// Runs `kernel(hyper, arrays)` over every element of `b`: the arrays addressed in place in one
+// pass, then those with a windowed operand slice by slice through a window per device.
+// Elementwise kernels give the same bits however the elements are cut (ops/cpu/FusedOptim.h).
+template <typename Arrays, typename Hyper, typename Kernel>
+void run_windowed(Bound<WindowOperand, Arrays, Hyper>& b, const Kernel& kernel) {
+  const size_t n = b.arrays.size();
+  std::vector<int64_t> per(n, 0);  // window bytes per element
+  std::vector<size_t> in_place;
+  std::vector<std::pair<c10::DeviceIndex, std::vector<size_t>>> by_device;
+  std::vector<int64_t> need;
+  for (size_t i = 0; i < n; ++i) {
+    const WindowOperand& g = b.operands[2 * i];
+    const WindowOperand& p = b.operands[2 * i + 1];
+    if (g.windowed()) per[i] += g.original().element_size();
+    if (p.windowed()) per[i] += p.original().element_size();
+    if (per[i] == 0) {
+      in_place.push_back(i);
+      continue;
+    }
+    const c10::DeviceIndex d = p.original().device().index();
+    size_t k = 0;
+    while (k < by_device.size() && by_device[k].first != d) ++k;
+    if (k == by_device.size()) {
+      by_device.emplace_back(d, std::vector<size_t>{});
+      need.push_back(0);
+    }
+    by_device[k].second.push_back(i);
+    need[k] += per[i] * b.arrays[i].n + 2 * kWindowAlign;
+  }
+  const auto run = [&](c10::DeviceIndex device, const std::vector<Arrays>& arrays, const std::vector<Hyper>& hypers) {
+    run_chunked(device, arrays, [&](const Item& it, int64_t, const Arrays& chunk) { kernel(hypers[it.tensor], chunk); });
+  };
+  // Every window is taken before anything is written (Note [A step is all or nothing]).
+  std::vector<c10::Storage> windows;
+  if (!by_device.empty()) {
+    const int64_t cap = step_window_bytes();
+    for (size_t k = 0; k < by_device.size(); ++k) {
+      windows.push_back(window_storage(std::min(cap, need[k]), by_device[k].first));
+    }
+  }
+  if (!in_place.empty()) {
+    std::vector<Arrays> arrays;
+    std::vector<Hyper> hypers;
+    for (size_t i : in_place) {
+      arrays.push_back(b.arrays[i]);
+      hypers.push_back(b.hypers[i]);
+    }
+    run(b.device, arrays, hypers);
+  }
+  for (size_t k = 0; k < by_device.size(); ++k) {
+    const c10::DeviceIndex device = by_device[k].first;
+    const std::vector<size_t>& list = by_device[k].second;
+    const c10::Storage& window = windows[k];
+    const int64_t cap = static_cast<int64_t>(window.nbytes());
+    char* base = static_cast<char*>(window.mutable_data());
+    size_t next = 0;
+    int64_t pos = 0;
+    while (next < list.size()) {
+      std::vector<Piece> pieces;
+      int64_t used = 0;
+      while (next < list.size()) {
+        const size_t i = list[next];
+        const int64_t left = b.arrays[i].n - pos;
+        int64_t take = std::min(left, std::max<int64_t>(0, cap - used - 2 * kWindowAlign) / per[i]);
+        if (take < left) take = take / kWindowAlign * kWindowAlign;  // whole cache lines inside a tensor
+        if (take <= 0) break;
+        Piece piece{i, pos, take};
+        if (b.operands[2 * i].windowed()) {
+          piece.grad_at = used = align_up(used);
+          used += take * b.operands[2 * i].original().element_size();
+        }
+        if (b.operands[2 * i + 1].windowed()) {
+          piece.param_at = used = align_up(used);
+          used += take * b.operands[2 * i + 1].original().element_size();
+        }
+        pieces.push_back(piece);
+        pos += take;
+        if (pos == b.arrays[i].n) {
+          ++next;
+          pos = 0;
+        }
+      }
+      TORCH_INTERNAL_ASSERT(!pieces.empty(), "superchip.optim: staging window too small");
+      const auto in_window = [&](const WindowOperand& o, int64_t at, const Piece& piece) {
+        return flat_view(window, at / o.original().element_size(), piece.n, o.original().scalar_type());
+      };
+      std::vector<Arrays> arrays;
+      std::vector<Hyper> hypers;
+      for (const Piece& piece : pieces) {
+        const WindowOperand& g = b.operands[2 * piece.array];
+        const WindowOperand& p = b.operands[2 * piece.array + 1];
+        Arrays a = slice(b.arrays[piece.array], piece.begin, piece.begin + piece.n);
+        if (piece.grad_at >= 0) {
+          copy_through_aliases(in_window(g, piece.grad_at, piece), flat_range(g.original(), piece.begin, piece.n));
+          a.grad = base + piece.grad_at;
+        }
+        if (piece.param_at >= 0) {
+          const bool lowp = p.original().scalar_type() != at::kFloat;
+          // A low-precision parameter is only written (from its fp32 master): nothing to copy in.
+          if (!lowp) {
+            copy_through_aliases(in_window(p, piece.param_at, piece), flat_range(p.original(), piece.begin, piece.n));
+            a.param = reinterpret_cast<float*>(base + piece.param_at);
+          } else {
+            a.param_lowp = base + piece.param_at;
+          }
+        }
+        arrays.push_back(a);
+        hypers.push_back(b.hypers[piece.array]);
+      }
+      wait_for_window_copies(device);
+      run(device, arrays, hypers);
+      for (const Piece& piece : pieces) {
+        if (piece.param_at < 0) continue;
+        const WindowOperand& p = b.operands[2 * piece.array + 1];
+        copy_through_aliases(flat_range(p.original(), piece.begin, piece.n), in_window(p, piece.param_at, piece));
+      }
+      // The next window's copies in are queued behind these write-backs: same stream.
+    }
+  }
+}
+
 }  // namespace
 
 void fused_adam_step(const std::vector<AdamPart>& parts) {
   const HiddenFromPythonModes hidden;
-  auto bound = bind_adam<HostOperand>(parts);
-  compute_adam_cpu(bound, nullptr);
+  auto bound = bind_adam<WindowOperand>(parts);
+  const ops::SimdPath path = ops::active_simd_path();
+  run_windowed(bound, [&](const ops::AdamHyper& h, const ops::AdamArrays& a) { ops::adam_step(h, a, path, nullptr); });
   bound.write_back();
 }
 
@@ -508,8 +742,9 @@ void fused_adam_undo(AdamStaging& staging, const AdamUndoLogs& log) {
 
 void fused_sgd_step(const std::vector<SgdPart>& parts) {
   const HiddenFromPythonModes hidden;
-  auto bound = bind_sgd<HostOperand>(parts);
-  compute_sgd_cpu(bound, nullptr);
+  auto bound = bind_sgd<WindowOperand>(parts);
+  const ops::SimdPath path = ops::active_simd_path();
+  run_windowed(bound, [&](const ops::SgdHyper& h, const ops::SgdArrays& a) { ops::sgd_step(h, a, path, nullptr); });
   bound.write_back();
 }
 

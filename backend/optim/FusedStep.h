@@ -48,10 +48,27 @@ struct AdamPart {
 // at a time, an out-of-memory error in a later param group left the earlier groups stepped:
 // the plain step's retry stepped them twice, and a speculation's undo never covered them.
 // Only the write-back of staged results (copies into memory that exists) comes after the
-// kernels. The cost: the staging copies of every group are held at once. That only matters
-// for the plain step (overlap=False) under the CUDA executor, which stages every hbm parameter
-// and gradient into pinned memory, with many param groups (one per layer: the peak goes from
-// a layer's operands to the model's); the engine's jobs stage one bucket at a time.
+// kernels. The plain step takes its staging window (below) before it writes anything.
+
+// Note [The step's staging window]
+// Under the CUDA executor the CPU kernels cannot address hbm, and the plain step
+// (overlap=False, and an engine job's step or redo) staged every hbm parameter and gradient
+// into torch's pinned memory at once: 4 bytes per bf16 parameter, the whole model's for the
+// plain step, which torch's pinned cache then kept for good, outside host's budget (an 8B
+// model: 32 GB of pinned host memory beside its 96 GB of fp32 master weights and moments).
+// fused_adam_step and fused_sgd_step copy those operands slice by slice through one window:
+// a host-tier block (pinned and mapped; counted in host's statistics) of at most
+// SUPERCHIP_STEP_WINDOW_BYTES (default 64 MiB), taken before anything is written (a smaller
+// one when host has less room, down to 4 KiB; then an error that changed nothing). Per
+// window: the gradients (and fp32 parameters) are copied in on the current stream, the CPU
+// waits for them, steps the slices, and the parameters are copied back (low-precision
+// parameters are only written, so they are not copied in). Operands the CPU addresses in
+// place (host-tier ones, every operand of the CPU executor) are stepped in one pass as
+// before; a strided operand is still staged whole. The kernels are elementwise and do not
+// depend on how the elements are cut: the bits are those of the unwindowed step
+// (test_optim.py, with SUPERCHIP_STAGE_HBM_OPERANDS=1 emulating the CUDA executor's staging).
+// The speculative step keeps its whole staging (Note [An undo needs no memory]); it stages
+// one bucket.
 
 // Steps the parts in place.
 void fused_adam_step(const std::vector<AdamPart>& parts);

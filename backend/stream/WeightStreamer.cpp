@@ -1063,7 +1063,9 @@ bool WeightStreamer::apply() {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> left;
   for (int round = 0; round < 2 && !promote.empty(); ++round) {
     if (round == 1) {
-      OffloadEngine::get().synchronize();
+      // An optimizer's failed queued step is its own to raise (at its next step()), not a
+      // forward's: this waits, leaving kept errors where they are.
+      OffloadEngine::get().synchronize(/*charge_exposed=*/true, /*raise_errors=*/false);
       OffloadEngine::get().release_finished();
     }
     left.clear();

@@ -804,7 +804,9 @@ class Engine:
             if spec is not None and spec in self.outstanding:
                 self.outstanding.remove(spec)  # no outcome to count
             if spec is not None and spec.spec.status() == _SPECULATED:
-                continue  # (not for lack of memory: its undo needs none) the step stands
+                # Its undo failed too (it needs no memory: a broken device): the step stands.
+                # A comparison that failed undoes the step (Note [A validation that fails]).
+                continue
             self.opt._engine_unstep(params, token)
             self.counts["failed_buckets"] += 1
         if self.jobs:

@@ -403,7 +403,10 @@ def test_sgd_buffers_made_before_a_load_are_not_taken_for_new():
 def _cut_both_tiers(room: int):
     """Both budgets to what is in use plus `room`; returns a function that restores them.
     Until then the garbage collector is off: a cycle of an earlier test collected meanwhile
-    frees tier memory, and a copy meant to find no room (on the engine's worker) found some."""
+    frees tier memory, and a copy meant to find no room (on the engine's worker) found some.
+    Engine jobs still running (an earlier test's last step) are waited for first: a job holds
+    its bucket's tensors until it has run, and freed during the cut they made room there."""
+    superchip._C._engine_synchronize(charge_exposed=False, raise_errors=False)
     gc.collect()
     superchip.empty_cache()
     st = superchip.memory_stats()
@@ -539,14 +542,14 @@ def _failing_step(opt, params, loss):
     """A step() of `opt` whose queued job runs out of memory (both tiers cut while it runs)."""
     loss().backward()
     opt._prepare_state(params)
+    failed = opt._engine.counts["failed_buckets"]
     restore = _cut_both_tiers(64 * 1024)
     try:
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad()  # (reconciles the job if it has run already)
         out = loss()  # waits for the job
     finally:
         restore()
-    failed = opt._engine.counts["failed_buckets"]
     opt._engine._reconcile()  # (what a hook or step() does first: no error raised here)
     assert opt._engine.counts["failed_buckets"] == failed + 1, "the job did not fail"
     return out
