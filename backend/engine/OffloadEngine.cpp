@@ -122,12 +122,43 @@ uint64_t OffloadEngine::submit_locked(EngineJob job) {
   return ticket;
 }
 
+// Note [Holds of another speculation]
+// A job that writes storages held by a speculation other than its own (a second optimizer
+// over the same parameters: one rebuilt while a scheduler still holds the old one, whose hooks
+// still speculate at every backward) used to run on top of the speculative step, and hold()
+// took the storages over from the first hold without undoing it. The first speculation's
+// undo then ran, whenever it came, on values another step had changed since: not exact (found
+// by review; the new optimizer's results drifted from overlap=False's). Such a job is a
+// writer like any other: the hold becomes a rollback job queued before it, as for a reader
+// (wait_for_storage); that speculation, validated later, finds itself rolled back and its
+// optimizer steps plainly.
+void OffloadEngine::roll_back_other_holds_locked(const EngineJob& job, const SpeculationHold* own) {
+  std::vector<std::shared_ptr<SpeculationHold>> others;
+  for (const auto& s : job.touched) {
+    auto it = pending_.find(s.get());
+    if (it == pending_.end() || !it->second.hold || it->second.hold.get() == own) continue;
+    if (std::find(others.begin(), others.end(), it->second.hold) == others.end()) others.push_back(it->second.hold);
+  }
+  for (const std::shared_ptr<SpeculationHold>& h : others) {
+    EngineJob rollback;
+    rollback.name = "superchip::rollback";
+    rollback.owner = h->owner();
+    rollback.touched = h->storages;
+    rollback.run = [h] { h->rollback(); };
+    wrap(rollback);
+    stats_[h->owner()].rollbacks_on_read += 1;
+    submit_locked(std::move(rollback));
+    drop_hold_locked(h.get());  // (`others` is not the last reference: the job and ended_holds_ are)
+  }
+}
+
 uint64_t OffloadEngine::submit(EngineJob job) {
   release_finished();
   wrap(job);
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    roll_back_other_holds_locked(job, nullptr);
     ticket = submit_locked(std::move(job));
   }
   work_cv_.notify_one();
@@ -140,6 +171,7 @@ uint64_t OffloadEngine::submit_replacing_hold(EngineJob job, const SpeculationHo
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    roll_back_other_holds_locked(job, hold);
     ticket = submit_locked(std::move(job));
     drop_hold_locked(hold);
   }

@@ -7,7 +7,8 @@
 //    .item(), move_to_tier) waits for exactly those jobs: wait_for_storage().
 //  - A speculation hold marks storages whose visible bytes are speculative (a step that has
 //    not been validated yet). Touching a held storage first runs the hold's rollback, then
-//    proceeds: the reader sees the values of the plain, unstepped run.
+//    proceeds: the reader sees the values of the plain, unstepped run. A job submitted over a
+//    storage another hold holds does the same (Note [Holds of another speculation]).
 //  - No tensor, storage or hold is ever released on the worker or under the engine's lock: since
 //    torch 2.10 a C++ reference count moving between 1 and 2 on a tensor or storage that has a
 //    Python object takes the GIL, and a thread that holds the GIL may be waiting on the worker
@@ -141,6 +142,9 @@ class OffloadEngine {
   void worker_loop();
   uint64_t submit_locked(EngineJob job);  // under mu_; job.run already wrapped; starts the worker
   void drop_hold_locked(const SpeculationHold* hold);
+  // Under mu_: holds other than `own` on the storages `job` touches become rollback jobs queued
+  // first (Note [Holds of another speculation] in OffloadEngine.cpp).
+  void roll_back_other_holds_locked(const EngineJob& job, const SpeculationHold* own);
   void wrap(EngineJob& job);  // on the submitting thread: its ThreadLocalState and ready events
   void finish(EngineJob& job, double seconds);
 

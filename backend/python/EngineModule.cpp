@@ -1,5 +1,7 @@
 // superchip._C bindings of the fused optimizer steps (backend/optim/) and of the offload engine
 // (backend/engine/): thin argument conversion.
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -25,6 +27,29 @@ using SgdArgs =
                std::vector<std::optional<at::Tensor>>, std::vector<bool>, double, double, double,
                double, bool, bool>;
 
+// Note [A step binds the storages of its call]
+// A step's parameters and gradients are taken as the storages they view when step() (or a
+// speculation) is called, not as the tensor objects: `p.data = new` swaps the storage inside
+// the parameter's own TensorImpl. Held as the objects, a speculation made from the old storage
+// validated against itself (same object, so "the same parameter") and was committed: the old
+// storage stepped, the assigned data never (found by review); and a queued job bound whatever
+// storage the object held when it ran, stepping data assigned after step() returned. Each
+// tensor is replaced by an alias of the same storage, sizes and strides (a shallow detached
+// copy of its TensorImpl, made without the dispatcher: no Python mode sees it), so validation
+// sees a swap as a different parameter (rolled back, the new data stepped plainly), and a
+// queued job steps, and keeps alive, the bytes step() was given.
+void bind_storages(std::vector<at::Tensor>& ts) {
+  // Under a user's TorchDispatchMode, TensorImpl's detach asks the mode (aten.detach): these
+  // aliases are ours (Note [The step's operators and Python modes] in optim/FusedStep.cpp).
+  const c10::impl::ExcludeDispatchKeyGuard hidden(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  for (at::Tensor& t : ts) {
+    if (!t.defined()) continue;
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    t = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false));
+  }
+}
+
 std::vector<AdamPart> adam_parts(std::vector<AdamPartArgs> args) {
   std::vector<AdamPart> parts;
   parts.reserve(args.size());
@@ -41,6 +66,8 @@ std::vector<AdamPart> adam_parts(std::vector<AdamPartArgs> args) {
     p.hyper.decoupled_weight_decay = std::get<12>(a);
     p.hyper.amsgrad = std::get<13>(a);
     p.hyper.maximize = std::get<14>(a);
+    bind_storages(p.group.params);
+    bind_storages(p.group.grads);
     parts.push_back(std::move(p));
   }
   return parts;
@@ -59,6 +86,8 @@ std::vector<SgdPart> sgd_parts(std::vector<SgdArgs> args) {
     p.hyper.weight_decay = std::get<8>(a);
     p.hyper.nesterov = std::get<9>(a);
     p.hyper.maximize = std::get<10>(a);
+    bind_storages(p.group.params);
+    bind_storages(p.group.grads);
     parts.push_back(std::move(p));
   }
   return parts;
@@ -269,6 +298,15 @@ void bind_engine(py::module& m) {
       // copy of an input may be stale after the graph (Note [Staged copies and writes]).
       if (streaming) streamer.note_written(s);
     }
+  });
+  // A storage read raw, past superchip's operators (torch's legacy serializer: pickle and
+  // torch.save(_use_new_zipfile_serialization=False); Note [Storages written to files] in
+  // python/superchip/__init__.py): its pending steps first, a speculation rolled back.
+  m.def("_engine_wait_storage", [](py::handle storage) {
+    TORCH_CHECK(THPStorage_Check(storage.ptr()), "superchip: internal error: not a storage");
+    c10::StorageImpl* s = THPStorage_Unpack(storage.ptr()).unsafeGetStorageImpl();
+    py::gil_scoped_release no_gil;
+    OffloadEngine::get().wait_for_storage(s);
   });
   m.def("_engine_snapshot_bytes", &AdamSpeculation::live_snapshot_bytes);
   m.def("_engine_undo_bytes", &AdamSpeculation::live_undo_bytes);

@@ -51,6 +51,24 @@ import time as _time  # noqa: E402
 _atexit.register(_time.sleep, 0.02)
 # Queued optimizer steps finish before the interpreter (and the optimizer's thread pool) go.
 _atexit.register(_C._engine_synchronize)
+
+# Note [Storages written to files]
+# Every superchip operator waits for the optimizer's pending steps on its operands (and rolls
+# back a speculation it reads). torch's legacy serializer, which pickle uses for every tensor
+# (multiprocessing queues, pickle.dumps) and torch.save(..., _use_new_zipfile_serialization=False)
+# uses, reads a storage's bytes through at::from_blob, past the operators: right after step()
+# it saved the values from before the step, and between backward() and step() speculative
+# ones (found by review). Its entry point waits for that storage first.
+_write_file = torch.UntypedStorage._write_file
+
+
+def _superchip_write_file(self, *args, **kwargs):
+    if self.device.type == "superchip":
+        _C._engine_wait_storage(self)
+    return _write_file(self, *args, **kwargs)
+
+
+torch.UntypedStorage._write_file = _superchip_write_file
 from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)

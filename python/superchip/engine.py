@@ -268,6 +268,11 @@ class Engine:
     # ---- during backward ----
 
     def _on_grad(self, p) -> None:
+        if p.device.type != "superchip":
+            # Moved off the device mid-run (model.to("cpu")): nothing of it is speculated, and
+            # the optimizer's step() turns the engine off (_FusedOptimizer._engine_guard).
+            self.speculating = self.probing = False
+            return
         if not self.fired:
             self._begin_backward()
         n = self.fired.get(p, 0) + 1
@@ -351,7 +356,9 @@ class Engine:
             self.cooldown = self.backoff
         elif probe_valid and self.cooldown > 0:
             self.cooldown -= 1
-        ok = self.can_speculate and bool(self.buckets) and len(self.buckets) > self.tail
+        # (amsgrad may reach an optimizer after construction: add_param_group, load_state_dict)
+        ok = (self.can_speculate and self.opt._engine_can_speculate() and bool(self.buckets)
+              and len(self.buckets) > self.tail)
         self._judge_lean()
         ok = ok and not self.lean
         self.speculating = ok and self.cooldown == 0
@@ -605,14 +612,18 @@ class Engine:
             if params:
                 tail_parts += self.opt._engine_parts(params, step_increment=1)
         tail_step = self.opt._engine_prepare_inline(tail_parts) if tail_parts else None
-        self.opt._engine_advance_steps()
+        # Every other bucket's arguments too, before a count advances or a job is queued: an
+        # argument that cannot be converted (a tensor lr of several elements) raised after the
+        # counts had advanced and some buckets were queued (found by review).
+        queued = []
         for b in reversed(range(self.tail, len(self.buckets))):
             params = [p for p in self.buckets[b] if p.grad is not None]
-            if not params:
-                continue
+            if params:
+                queued.append((b, params, self.opt._engine_parts(params, step_increment=1),
+                               self.opt._engine_token(params)))
+        self.opt._engine_advance_steps()
+        for b, params, parts, token in queued:
             spec = self.specs.get(b)
-            parts = self.opt._engine_parts(params, step_increment=0)
-            token = self.opt._engine_token(params)
             if spec is not None and len(params) == len(self.buckets[b]):
                 self.jobs[_C._engine_validate(spec.spec, parts)] = (params, token, spec)
                 spec.stepped = True

@@ -161,12 +161,34 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _new_state(self, p, values=None):
         return _state_tensor(p, values, self._tier(p))
 
+    # Note [A written parameter is its master's new value]
+    # A bf16/fp16 parameter is stepped through its fp32 master: each step writes
+    # round(master) into the parameter. A write to the parameter between steps (re-initialising
+    # a layer, model.load_state_dict to undo a loss spike, clamping) left the master as it was,
+    # and the next step wrote round(master) back over it, undoing the write (found by review);
+    # a superchip checkpoint trained further by torch.optim (which keeps master_param as an
+    # opaque state entry) and loaded back reverted torch's steps the same way. torch.optim,
+    # with no master, steps the parameter as written. So when a parameter's version or storage
+    # changed since the optimizer last built its step (the optimizer's own writes move neither:
+    # Note [Kernel results keep the version]), its bits are compared with round(master) and,
+    # where they differ, the master takes the written values. An exact resume (parameter and
+    # master from the same checkpoint) compares equal and keeps the master's low bits. Writes
+    # through .data, which has a version counter of its own, are seen only when they replace
+    # the storage; FSDP2's sharded parameters are not checked.
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
         if "master_param" not in state:
             state["master_param"] = self._new_state(p, p)
-        return state["master_param"]
+        master = state["master_param"]
+        if not _dist.is_dtensor(p) and isinstance(master, torch.Tensor):
+            seen = self.__dict__.setdefault("_master_seen", {})
+            key = (p._version, p.data_ptr())
+            if seen.get(p) != key:
+                if not torch.equal(master.to(p.dtype), p.detach()):
+                    master.copy_(p.detach())
+                seen[p] = key
+        return master
 
     # Note [State and out of memory]
     # A parameter's state (moments, its fp32 master, a momentum buffer: 4 bytes per element
@@ -221,6 +243,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _engine_token(self, params):
         """What _engine_unstep needs to undo the bookkeeping of a queued step of ``params``."""
         return None
+
+    def _engine_can_speculate(self) -> bool:
+        """Whether the groups as they are now allow a speculative step (asked at each backward)."""
+        return True
+
+    def _engine_guard(self, groups) -> None:
+        """Before an engine step: a parameter that left the device since (model.to("cpu") mid-run)
+        is not guarded by superchip's operators, so an asynchronous step of it would race the
+        CPU's reads (and its backward hooks raised). The engine stops and the step is the plain
+        one; asked for with overlap=True, the step raises, having changed nothing."""
+        if self._engine.overlap and not _all_superchip(
+                [p for params in groups for p in params], "overlap=True" if self._overlap_explicit else None):
+            self._engine.stop()
 
     def _engine_unstep(self, params, token) -> None:
         """A queued step of ``params`` failed on the worker, changing nothing: its bookkeeping
@@ -322,6 +357,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.__setstate__(before)
             raise
+        # A torch checkpoint's choice of implementation (foreach=, fused=False) is torch's:
+        # loaded, fused=False made every later step() raise for an argument the user never
+        # passed (found by review). The groups keep this optimizer's own.
+        for group, old in zip(self.param_groups, before["param_groups"]):
+            for key in ("foreach", "fused"):
+                if key in old:
+                    group[key] = old[key]
         self._state_loaded()
 
     def _load_state(self, state_dict: dict, saved: dict, old: dict) -> None:
@@ -417,8 +459,12 @@ class Adam(_FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
         self._start_engine(overlap, bucket_bytes, tail_buckets)
-        if any(g["amsgrad"] for g in self.param_groups):
-            self._engine.can_speculate = False  # the amsgrad max is not invertible
+
+    def _engine_can_speculate(self) -> bool:
+        # The amsgrad max is not invertible. Asked at every backward: amsgrad can arrive after
+        # construction (add_param_group, a loaded torch checkpoint, a hand edit), and a
+        # speculation then raised an internal error from inside backward (found by review).
+        return not any(g["amsgrad"] for g in self.param_groups)
 
     def __setstate__(self, state):
         # As torch.optim.Adam: groups from older checkpoints get today's defaults.
@@ -497,6 +543,7 @@ class Adam(_FusedOptimizer):
                                 capturable=group.get("capturable", False),
                                 fused=group.get("fused"))
             groups.append(_params_with_grad(name, group))
+        self._engine_guard(groups)
         if self._engine.overlap:
             self._engine.step()
             return loss
@@ -633,6 +680,7 @@ class SGD(_FusedOptimizer):
     def step(self, closure=None):
         loss = _evaluate(closure)
         groups = [_params_with_grad("SGD", group) for group in self.param_groups]
+        self._engine_guard(groups)
         if self._engine.overlap:
             self._engine.step()
             return loss

@@ -421,6 +421,216 @@ def test_soak_memory_returns_to_start():
         assert after[key] == before[key], key
 
 
+@pytest.mark.parametrize("when", ["between_backward_and_step", "after_step"])
+def test_data_assigned_to_a_parameter_is_what_the_step_steps(when):
+    # Note [A step binds the storages of its call] (backend/python/EngineModule.cpp):
+    # `p.data = new` swaps the storage inside the parameter's own TensorImpl. Between backward
+    # and step(), the speculation made from the old storage validated against the same object
+    # and was committed: the old storage stepped, the assigned data left as assigned (found by
+    # review). After step(), a queued job bound whatever storage the parameter held when it ran
+    # and stepped data assigned after step() returned. overlap=False steps the new data in the
+    # first case and leaves it as assigned in the second; the engine gives the same bits.
+    def run(overlap):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 1)).to("superchip")
+        opt = superchip.optim.AdamW(m.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=64 * 1024)
+        x = torch.randn(8, 256).to("superchip")
+        for i in range(4):
+            m(x).pow(2).mean().backward()
+            if i == 3 and when == "between_backward_and_step":
+                m[0].weight.data = torch.full((256, 256), 0.01).to("superchip")
+            opt.step()
+            if i == 3 and when == "after_step":
+                m[0].weight.data = torch.full((256, 256), 0.01).to("superchip")
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        return [p.detach().cpu() for p in m.parameters()], opt.offload_stats()
+
+    (want, _), (got, stats) = run(False), run(True)
+    assert stats["speculated_buckets"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.all(got[0] == 0.01).item() == (when == "after_step")
+
+
+def _mlp_run(make_opt, steps=4, between=None, seed=3):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)]).to("superchip")
+    opt = make_opt(m)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        x = torch.randn(16, 128, generator=g).to("superchip")
+        m(x).square().mean().backward()
+        if between is not None:
+            between(i, m, opt)
+        opt.step()
+        opt.zero_grad()
+    torch.superchip.synchronize()
+    return [p.detach().cpu() for p in m.parameters()], opt
+
+
+def test_an_unused_optimizer_over_the_same_parameters_changes_nothing():
+    # Note [Holds of another speculation] (engine/OffloadEngine.cpp): an optimizer rebuilt
+    # while the old one is still alive (an LR scheduler holds it) kept speculating at every
+    # backward through its hooks; the new optimizer's steps ran on top of that speculation and
+    # the old one's undo came later, on values they had changed: the results drifted from
+    # overlap=False's from the first iteration (found by review). Now a job over storages
+    # another speculation holds rolls it back first.
+    def run(overlap, keep_old):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)]).to("superchip")
+        make = lambda: superchip.optim.AdamW(m.parameters(), lr=1e-3, overlap=overlap,  # noqa: E731
+                                             bucket_bytes=16 * 1024)
+        g = torch.Generator().manual_seed(3)
+        old = make()
+        for _ in range(2):
+            m(torch.randn(16, 128, generator=g).to("superchip")).square().mean().backward()
+            old.step()
+            old.zero_grad()
+        sched = torch.optim.lr_scheduler.LambdaLR(old, lambda s: 1.0) if keep_old else None  # noqa: F841
+        del old
+        opt = make()
+        for _ in range(5):
+            m(torch.randn(16, 128, generator=g).to("superchip")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        stale = sched.optimizer.offload_stats() if keep_old else None
+        return [p.detach().cpu() for p in m.parameters()], stale
+
+    want, _ = run(False, False)
+    got, stale = run(True, True)
+    assert stale["speculated_buckets"] > 0  # the old optimizer did speculate meanwhile
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "load_state_dict"])
+def test_amsgrad_arriving_after_construction_is_never_speculated(how):
+    # The engine decided at construction that an optimizer without amsgrad may speculate;
+    # amsgrad added by add_param_group or by a loaded torch checkpoint then made the next
+    # backward raise "internal error: amsgrad is never speculated" from a gradient hook, with
+    # half the gradients filled (found by review). It is asked at every backward now.
+    def make(overlap):
+        def f(m):
+            ps = list(m.parameters())
+            if how == "add_param_group":
+                opt = superchip.optim.AdamW(ps[:4], lr=1e-3, overlap=overlap, bucket_bytes=16 * 1024)
+                opt.add_param_group(dict(params=ps[4:], amsgrad=True))
+            else:
+                ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().cpu()) for p in ps], lr=1e-3, amsgrad=True)
+                opt = superchip.optim.AdamW(ps, lr=1e-3, overlap=overlap, bucket_bytes=16 * 1024)
+                opt.load_state_dict(ref.state_dict())
+            return opt
+        return f
+
+    want, _ = _mlp_run(make(False))
+    got, opt = _mlp_run(make(True))
+    assert opt.offload_stats()["speculated_buckets"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_engine_step_that_raises_changes_nothing():
+    # A hyper-parameter the step cannot take (a tensor lr of two elements) raised while the
+    # engine built the buckets' arguments, after every step count had advanced and the first
+    # buckets were queued (found by review). The arguments are all built first now; the same
+    # error leaves counts and parameters as they were, and the retry gives overlap=False's bits.
+    def between(i, m, opt):
+        if i == 2:
+            before = [p.detach().clone() for p in m.parameters()]
+            lr = opt.param_groups[0]["lr"]
+            opt.param_groups[0]["lr"] = torch.tensor([lr, lr])
+            with pytest.raises(ValueError, match="lr"):
+                opt.step()
+            opt.param_groups[0]["lr"] = lr
+            assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+            assert {int(s["step"].item()) for s in opt.state.values()} == {2}
+
+    make = lambda overlap: lambda m: superchip.optim.AdamW(m.parameters(), lr=1e-3, overlap=overlap,  # noqa: E731
+                                                           bucket_bytes=16 * 1024)
+    want, _ = _mlp_run(make(False), between=between)
+    got, _ = _mlp_run(make(True), between=between)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("opt_cls", ["AdamW", "SGD"])
+def test_a_model_moved_to_the_cpu_mid_run_takes_the_plain_step(opt_cls):
+    # model.to("cpu") after some steps: the engine's hooks raised from inside backward (AdamW:
+    # "expected a superchip device, got cpu"), and SGD's asynchronous step ran on CPU
+    # parameters, which no superchip operator guards, racing the next forward (found by
+    # review). The engine stops at the next step() and the step is the plain one.
+    def run(overlap):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)]).to("superchip")
+        kw = dict(momentum=0.9) if opt_cls == "SGD" else {}
+        opt = getattr(superchip.optim, opt_cls)(m.parameters(), lr=1e-2, overlap=overlap,
+                                                bucket_bytes=16 * 1024, **kw)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for i in range(6):
+            if i == 3:
+                m.to("cpu")
+            dev = "cpu" if i >= 3 else "superchip"
+            loss = m(torch.randn(16, 128, generator=g).to(dev)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in m.parameters()], opt
+
+    want_losses, want, _ = run(False)
+    got_losses, got, opt = run(None)
+    assert not opt._engine.overlap
+    assert got_losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_torch_checkpoints_implementation_flags_are_not_taken():
+    # torch.optim.AdamW(fused=False)'s state_dict loaded into superchip.optim.AdamW: every later
+    # step() raised "fused=False asks for the unfused implementation", an argument the user
+    # never passed (found by review). The optimizer keeps its own foreach/fused.
+    m = torch.nn.Linear(16, 16)
+    ref = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=False, foreach=False)
+    m(torch.randn(4, 16)).sum().backward()
+    ref.step()
+    model = torch.nn.Linear(16, 16).to("superchip")
+    opt = superchip.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is None
+    model(torch.randn(4, 16).to("superchip")).sum().backward()
+    opt.step()
+
+
+def test_pickle_and_the_legacy_format_see_what_the_operators_see():
+    # Note [Storages written to files] (superchip/__init__.py): pickle (every tensor through
+    # torch's legacy serializer) and torch.save(..., _use_new_zipfile_serialization=False) read
+    # a storage past superchip's operators: right after step() they saved the values from
+    # before the step, and between backward() and step() the speculative ones (found by review).
+    import io
+    import pickle
+
+    def legacy(ts):
+        b = io.BytesIO()
+        torch.save(ts, b, _use_new_zipfile_serialization=False)
+        b.seek(0)
+        return torch.load(b, map_location="cpu")
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to("superchip")
+    opt = superchip.optim.AdamW(m.parameters(), lr=1e-2, bucket_bytes=256 * 1024)
+    x = torch.randn(4, 512).to("superchip")
+    for save in (lambda ts: [t.cpu() for t in pickle.loads(pickle.dumps(ts))], legacy):
+        for _ in range(3):
+            before = [p.detach().cpu().clone() for p in m.parameters()]
+            m(x).square().mean().backward()
+            assert all(torch.equal(a, b) for a, b in zip(save([p.detach() for p in m.parameters()]), before))
+            opt.step()
+            got = save([p.detach() for p in m.parameters()])
+            torch.superchip.synchronize()
+            assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(got, m.parameters()))
+            opt.zero_grad()
+    assert opt.offload_stats()["speculated_buckets"] > 0
+
+
 def test_empty_cache_frees_what_a_deleted_models_finished_jobs_held():
     # A job of the asynchronous step holds its bucket's tensors (parameters, gradients, state)
     # until a caller releases it once it has run; the next operator does. A script that

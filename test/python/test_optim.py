@@ -704,3 +704,42 @@ def test_load_state_dict_without_room_changes_nothing(overlap):
         o.zero_grad()
     torch.superchip.synchronize()
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(src_model.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_write_to_a_low_precision_parameter_becomes_its_master(overlap):
+    # Note [A written parameter is its master's new value] (optim.py): a bf16 parameter zeroed
+    # between steps came back at the next step() (written from the old fp32 master), and a
+    # reloaded model the same. The write now becomes the master's value; an exact resume
+    # (parameters and optimizer from one checkpoint) keeps the master's low bits.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).bfloat16().to("superchip")
+    opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g).bfloat16().to("superchip") for _ in range(8)]
+
+    def step(x):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for x in xs[:3]:
+        step(x)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    step(xs[3])
+    # One AdamW step from zero moves each element by about lr, not back to the old weights.
+    assert model[0].weight.abs().max().item() <= 2e-3
+    torch.superchip.synchronize()
+    saved_model = {k: v.cpu() for k, v in model.state_dict().items()}
+    saved_opt = io.BytesIO()
+    torch.save(opt.state_dict(), saved_opt)
+    for x in xs[4:]:
+        step(x)
+    want = [p.detach().cpu() for p in model.parameters()]
+    model.load_state_dict(saved_model)
+    saved_opt.seek(0)
+    opt.load_state_dict(torch.load(saved_opt))
+    for x in xs[4:]:
+        step(x)
+    assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(want, model.parameters()))

@@ -175,6 +175,34 @@ TEST(OffloadEngine, SubmitReplacingHoldRacesReaders) {
   }
 }
 
+TEST(OffloadEngine, AJobOverAnotherSpeculationsHoldRollsItBackFirst) {
+  // Note [Holds of another speculation]: a second optimizer's job over storages the first one
+  // holds speculatively runs after the first's rollback, not on top of its step; a hold's own
+  // validation (submit_replacing_hold) does not roll it back.
+  OffloadEngine& e = OffloadEngine::get();
+  auto s = make_storage();
+  e.submit(fill_job(s, 1, 12));  // owner 12's speculative step
+  auto first = std::make_shared<FillHold>(bytes(s), 12);
+  e.hold({s}, first);
+  std::atomic<int> seen{-1};
+  EngineJob other = fill_job(s, 7, 13);  // owner 13's step over the same storage
+  uint8_t* p = bytes(s);
+  auto fill = other.run;
+  other.run = [p, fill, &seen] {
+    seen.store(p[0]);
+    fill();
+  };
+  e.submit(std::move(other));
+  auto second = std::make_shared<FillHold>(bytes(s), 13);
+  e.hold({s}, second);
+  e.submit_replacing_hold(fill_job(s, 9, 13), second.get());  // owner 13's validation
+  e.wait_for_storage(s.get());
+  EXPECT_EQ(seen.load(), 0xEE);  // the first speculation was undone before the other step ran
+  EXPECT_EQ(first->rollbacks(), 1);
+  EXPECT_EQ(second->rollbacks(), 0);
+  expect_filled(bytes(s), 9);
+}
+
 TEST(OffloadEngine, AJobsExceptionReachesTheNextWait) {
   OffloadEngine& e = OffloadEngine::get();
   e.synchronize();
