@@ -794,10 +794,10 @@ at::Tensor executor_alias(const at::Tensor& t, Access access) {
   return one.alias(t, access);
 }
 
-void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src) {
+void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src, Access src_access) {
   AliasSet aliases;  // one set: a source over dst's storage is seen as such
   const auto superchip = [](const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; };
-  const at::Tensor s = superchip(src) ? aliases.alias(src, Access::kRead) : src;
+  const at::Tensor s = superchip(src) ? aliases.alias(src, src_access) : src;
   at::Tensor d = superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
   d.copy_(s);
 }

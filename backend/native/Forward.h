@@ -58,7 +58,9 @@ at::Tensor executor_alias(const at::Tensor& t, Access access = Access::kWrite);
 // current stream's order: the backend's own copies (optimizer state, staged write-backs), not a
 // user's copy_. No weight placement or marks (copy_from's, Note [Batches while streaming] in
 // native/Native.cpp), no version bump on dst (Note [Kernel results keep the version]).
-void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src);
+// `src_access` kCopySource: a source read whole for a copy is not a weight read the streamer
+// records or stages (the optimizer step's window, Note [The step's staging window]).
+void copy_through_aliases(const at::Tensor& dst, const at::Tensor& src, Access src_access = Access::kRead);
 // A superchip tensor for executor result `r`: shares the superchip storage when `r` views an
 // alias, otherwise adopts r's memory into superchip:device (accounted in hbm). A zero tensor
 // (torch._efficientzerotensor) stays one and owns no memory.

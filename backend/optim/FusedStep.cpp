@@ -580,6 +580,7 @@ void run_windowed(Bound<WindowOperand, Arrays, Hyper>& b, const Kernel& kernel) 
   std::vector<std::pair<c10::DeviceIndex, std::vector<size_t>>> by_device;
   std::vector<int64_t> need;
   for (size_t i = 0; i < n; ++i) {
+    if (b.arrays[i].n == 0) continue;  // nothing to step (a piece of it would never fill a window)
     const WindowOperand& g = b.operands[2 * i];
     const WindowOperand& p = b.operands[2 * i + 1];
     if (g.windowed()) per[i] += g.original().element_size();
@@ -662,14 +663,16 @@ void run_windowed(Bound<WindowOperand, Arrays, Hyper>& b, const Kernel& kernel) 
         const WindowOperand& p = b.operands[2 * piece.array + 1];
         Arrays a = slice(b.arrays[piece.array], piece.begin, piece.begin + piece.n);
         if (piece.grad_at >= 0) {
-          copy_through_aliases(in_window(g, piece.grad_at, piece), flat_range(g.original(), piece.begin, piece.n));
+          copy_through_aliases(in_window(g, piece.grad_at, piece), flat_range(g.original(), piece.begin, piece.n),
+                               Access::kCopySource);
           a.grad = base + piece.grad_at;
         }
         if (piece.param_at >= 0) {
           const bool lowp = p.original().scalar_type() != at::kFloat;
           // A low-precision parameter is only written (from its fp32 master): nothing to copy in.
           if (!lowp) {
-            copy_through_aliases(in_window(p, piece.param_at, piece), flat_range(p.original(), piece.begin, piece.n));
+            copy_through_aliases(in_window(p, piece.param_at, piece), flat_range(p.original(), piece.begin, piece.n),
+                                 Access::kCopySource);  // (a weight read whole: not a read the streamer plans)
             a.param = reinterpret_cast<float*>(base + piece.param_at);
           } else {
             a.param_lowp = base + piece.param_at;

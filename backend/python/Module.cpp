@@ -116,13 +116,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reset_peak_memory_stats", [](int device) {
     memory(resolve_device(static_cast<c10::DeviceIndex>(device))).reset_peak();
   });
+  // Note [The staging arena gives way]
+  // While weights stream, the streamer's staging arena holds what hbm had free (plus staged
+  // copies): lowering hbm's budget below that, or moving a weight into hbm by hand, failed
+  // with "free tensors first" although no tensor of the user's held the bytes, and
+  // empty_cache() did not help (found by review). Such a request now drops the plan and its
+  // arena and is tried once more; the next pass plans again for the budget it finds.
   m.def("_set_capacity", [](int device, const std::string& tier, int64_t bytes) {
     TORCH_CHECK(bytes >= 0, "capacity must be >= 0 bytes (0 = unlimited), got ", bytes, ".");
-    try {
-      memory(resolve_device(static_cast<c10::DeviceIndex>(device)))
-          .set_capacity(tier_arg(tier), static_cast<size_t>(bytes));
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK(false, e.what());
+    MemoryManager& mm = memory(resolve_device(static_cast<c10::DeviceIndex>(device)));
+    const Tier t = tier_arg(tier);
+    for (int attempt = 0;; ++attempt) {
+      try {
+        mm.set_capacity(t, static_cast<size_t>(bytes));
+        return;
+      } catch (const std::invalid_argument& e) {
+        if (attempt == 0 && t == Tier::kHbm && WeightStreamer::get().enabled()) {
+          WeightStreamer::get().replan();
+          WeightStreamer::get().release_staging();
+          mm.empty_cache();
+          continue;
+        }
+        TORCH_CHECK(false, e.what());
+      }
     }
   });
   m.def("_check_invariants", [](int device) {
@@ -136,7 +152,15 @@ PYBIND11_MODULE(_C, m) {
     check_superchip(t, "superchip.move_to_tier");
     const Tier target = tier_arg(tier);
     py::gil_scoped_release no_gil;
-    move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+    try {
+      move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+    } catch (const c10::OutOfMemoryError&) {
+      // Note [The staging arena gives way]
+      if (target != Tier::kHbm || !WeightStreamer::get().enabled()) throw;
+      WeightStreamer::get().replan();
+      WeightStreamer::get().release_staging();
+      move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+    }
     WeightStreamer::get().note_placed_by_hand(t.storage().unsafeGetStorageImpl());
   });
   m.def("_default_generator", [](int device) {

@@ -252,6 +252,9 @@ class Engine:
         self.hooks = []
         self.overlap = False
         self._detach_ddp()
+        # Nothing reads them again (the hooks are gone), and each holds its bucket's storages:
+        # after model.to("cpu") they kept the model's device copy allocated.
+        self.admitted, self.outstanding = [], []
 
     def _detach_ddp(self) -> None:
         # DDP keeps the hook (it reduces as DDP's own path does); nothing is recorded for us.
@@ -383,7 +386,7 @@ class Engine:
                 sizes = {b: sum(p.numel() * p.element_size() for p in self.buckets[b])
                          for b in range(self.tail, len(self.buckets))}
                 self.probe_bucket = min(sizes, key=sizes.get)
-        if self.buckets and self.can_speculate:
+        if self.buckets and self.can_speculate and self.opt._engine_can_speculate():
             self._host_sample()  # the activations are in (Note [Speculation and host memory])
 
     def _judge_lean(self) -> None:
@@ -567,7 +570,11 @@ class Engine:
         except torch.OutOfMemoryError:
             self.counts["deferred_buckets"] += 1
             return  # no room for its state: step() makes it, or says why it cannot
-        parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
+        try:
+            parts = self.opt._engine_parts(params, step_increment=1, grads=grads)
+        except torch.OutOfMemoryError:
+            self.counts["deferred_buckets"] += 1
+            return  # a master's check found no room (Note [A written parameter is its master's new value]): step() steps it
         if parts is None:
             return
         spec = _C._AdamSpeculation(self.owner, parts, cast_fp32, probe)
@@ -585,7 +592,7 @@ class Engine:
         """Queues the step of every bucket in forward order; returns before they run."""
         self._reconcile()
         self.raise_failure()
-        if not self.ddp_tried and self.can_speculate:
+        if not self.ddp_tried and self.can_speculate and self.opt._engine_can_speculate():
             # After the first backward, between backwards (Note [Speculation under DDP]).
             from . import distributed as _dist
 
@@ -597,7 +604,7 @@ class Engine:
         # of every parameter to step, or an error that leaves parameters, state and counts as
         # they were (Note [State and out of memory] in optim.py).
         self.opt._prepare_state([p for b in self.buckets for p in b if p.grad is not None])
-        if self.buckets and self.can_speculate:
+        if self.buckets and self.can_speculate and self.opt._engine_can_speculate():
             self._host_sample()  # the gradients are in (Note [Speculation and host memory])
         self._mark_leads()
         if self.lean and self.can_speculate and self.fired and not self.multi_backward and self.buckets:

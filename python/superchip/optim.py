@@ -13,6 +13,7 @@ import time
 from itertools import chain
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _C
 from .engine import Engine, overlap_default
@@ -170,11 +171,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # opaque state entry) and loaded back reverted torch's steps the same way. torch.optim,
     # with no master, steps the parameter as written. So when a parameter's version or storage
     # changed since the optimizer last built its step (the optimizer's own writes move neither:
-    # Note [Kernel results keep the version]), its bits are compared with round(master) and,
-    # where they differ, the master takes the written values. An exact resume (parameter and
-    # master from the same checkpoint) compares equal and keeps the master's low bits. Writes
-    # through .data, which has a version counter of its own, are seen only when they replace
-    # the storage; FSDP2's sharded parameters are not checked.
+    # Note [Kernel results keep the version]), its bits are compared with round(master)
+    # element by element, and the elements that differ take the written values (a write to a
+    # few elements keeps the others' low bits). An exact resume (parameter and master from the
+    # same checkpoint) compares equal and keeps the master. These are the optimizer's own
+    # operators: a user's TorchDispatchMode does not see them. Writes through .data, which has
+    # a version counter of its own, are seen only when they replace the storage; FSDP2's
+    # sharded parameters are not checked.
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
@@ -185,8 +188,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
             seen = self.__dict__.setdefault("_master_seen", {})
             key = (p._version, p.data_ptr())
             if seen.get(p) != key:
-                if not torch.equal(master.to(p.dtype), p.detach()):
-                    master.copy_(p.detach())
+                # Element by element: a write to some elements (a pruning mask, clamp_, a
+                # zeroed row, Embedding(max_norm=)) keeps the low bits of all the others.
+                # Compared on the parameter's device (a model moved to the CPU mid-run).
+                with _disable_current_modes():
+                    now = p.detach()
+                    was = master.to(device=now.device, dtype=p.dtype)
+                    same = was.view(torch.int16) == now.view(torch.int16)
+                    if not bool(same.all()):
+                        merged = torch.where(same, master.to(now.device), now.float())
+                        _C._copy_into_state(master, merged.to(master.device))
                 seen[p] = key
         return master
 
@@ -357,11 +368,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.__setstate__(before)
             raise
-        # A torch checkpoint's choice of implementation (foreach=, fused=False) is torch's:
-        # loaded, fused=False made every later step() raise for an argument the user never
-        # passed (found by review). The groups keep this optimizer's own.
+        # A torch checkpoint's choice of implementation (foreach=, fused=False, capturable=,
+        # differentiable=) is torch's: loaded, fused=False made every later step() raise for
+        # an argument the user never passed (found by review). The groups keep this
+        # optimizer's own.
         for group, old in zip(self.param_groups, before["param_groups"]):
-            for key in ("foreach", "fused"):
+            for key in ("foreach", "fused", "capturable", "differentiable"):
                 if key in old:
                     group[key] = old[key]
         self._state_loaded()
