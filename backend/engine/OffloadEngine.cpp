@@ -139,17 +139,20 @@ void OffloadEngine::roll_back_other_holds_locked(const EngineJob& job, const Spe
     if (it == pending_.end() || !it->second.hold || it->second.hold.get() == own) continue;
     if (std::find(others.begin(), others.end(), it->second.hold) == others.end()) others.push_back(it->second.hold);
   }
-  for (const std::shared_ptr<SpeculationHold>& h : others) {
-    EngineJob rollback;
-    rollback.name = "superchip::rollback";
-    rollback.owner = h->owner();
-    rollback.touched = h->storages;
-    rollback.run = [h] { h->rollback(); };
-    wrap(rollback);
-    stats_[h->owner()].rollbacks_on_read += 1;
-    submit_locked(std::move(rollback));
-    drop_hold_locked(h.get());  // (`others` is not the last reference: the job and ended_holds_ are)
-  }
+  // (`others` is not the last reference to a hold: its rollback job and ended_holds_ are)
+  for (const std::shared_ptr<SpeculationHold>& h : others) queue_rollback_locked(h);
+}
+
+void OffloadEngine::queue_rollback_locked(const std::shared_ptr<SpeculationHold>& h) {
+  EngineJob job;
+  job.name = "superchip::rollback";
+  job.owner = h->owner();
+  job.touched = h->storages;
+  job.run = [h] { h->rollback(); };
+  wrap(job);
+  stats_[h->owner()].rollbacks_on_read += 1;
+  submit_locked(std::move(job));
+  drop_hold_locked(h.get());
 }
 
 uint64_t OffloadEngine::submit(EngineJob job) {
@@ -341,15 +344,7 @@ void OffloadEngine::wait_for_storage(const c10::StorageImpl* s) {
     if (std::shared_ptr<SpeculationHold> h = it->second.hold) {
       // A reader before step(): the plain run shows the unstepped values. The hold becomes a
       // rollback job over the same storages, atomically, so no reader sees them in between.
-      EngineJob job;
-      job.name = "superchip::rollback";
-      job.owner = h->owner();
-      job.touched = h->storages;
-      job.run = [h] { h->rollback(); };
-      wrap(job);
-      stats_[h->owner()].rollbacks_on_read += 1;
-      submit_locked(std::move(job));
-      drop_hold_locked(h.get());
+      queue_rollback_locked(h);
       work_cv_.notify_one();
     }
     RECORD_FUNCTION("superchip::wait", std::vector<c10::IValue>());

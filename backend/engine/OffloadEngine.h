@@ -145,6 +145,8 @@ class OffloadEngine {
   // Under mu_: holds other than `own` on the storages `job` touches become rollback jobs queued
   // first (Note [Holds of another speculation] in OffloadEngine.cpp).
   void roll_back_other_holds_locked(const EngineJob& job, const SpeculationHold* own);
+  // Under mu_: `h` becomes a rollback job over its storages, queued now, and stops holding them.
+  void queue_rollback_locked(const std::shared_ptr<SpeculationHold>& h);
   void wrap(EngineJob& job);  // on the submitting thread: its ThreadLocalState and ready events
   void finish(EngineJob& job, double seconds);
 
