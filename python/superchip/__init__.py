@@ -58,8 +58,10 @@ _atexit.register(_C._engine_synchronize)
 # (multiprocessing queues, pickle.dumps) and torch.save(..., _use_new_zipfile_serialization=False)
 # uses, reads a storage's bytes through at::from_blob, past the operators: right after step()
 # it saved the values from before the step, and between backward() and step() speculative
-# ones (found by review). Its entry point waits for that storage first.
+# ones (found by review). Its entry point waits for that storage first, and so does
+# indexing a storage (storage[i], storage[a:b]), which reads the same way.
 _write_file = torch.UntypedStorage._write_file
+_getitem = torch.UntypedStorage.__getitem__
 
 
 def _superchip_write_file(self, *args, **kwargs):
@@ -68,7 +70,14 @@ def _superchip_write_file(self, *args, **kwargs):
     return _write_file(self, *args, **kwargs)
 
 
+def _superchip_getitem(self, *args, **kwargs):
+    if self.device.type == "superchip":
+        _C._engine_wait_storage(self)
+    return _getitem(self, *args, **kwargs)
+
+
 torch.UntypedStorage._write_file = _superchip_write_file
+torch.UntypedStorage.__getitem__ = _superchip_getitem
 from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)

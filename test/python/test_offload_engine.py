@@ -612,9 +612,10 @@ def test_a_torch_checkpoints_implementation_flags_are_not_taken():
 
 def test_pickle_and_the_legacy_format_see_what_the_operators_see():
     # Note [Storages written to files] (superchip/__init__.py): pickle (every tensor through
-    # torch's legacy serializer) and torch.save(..., _use_new_zipfile_serialization=False) read
-    # a storage past superchip's operators: right after step() they saved the values from
-    # before the step, and between backward() and step() the speculative ones (found by review).
+    # torch's legacy serializer), torch.save(..., _use_new_zipfile_serialization=False) and
+    # storage[a:b] read a storage past superchip's operators: right after step() they saw the
+    # values from before the step, and between backward() and step() the speculative ones
+    # (found by review).
     import io
     import pickle
 
@@ -628,6 +629,13 @@ def test_pickle_and_the_legacy_format_see_what_the_operators_see():
     m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to("superchip")
     opt = superchip.optim.AdamW(m.parameters(), lr=1e-2, bucket_bytes=256 * 1024)
     x = torch.randn(4, 512).to("superchip")
+    def indexed(ts):  # storage[a:b], as a byte-level reader would
+        return [torch.frombuffer(bytearray(t.untyped_storage()[0:64].cpu().tolist()), dtype=t.dtype).clone()
+                for t in ts]
+
+    def prefix(ts):
+        return [t.detach().cpu().reshape(-1)[:64 // t.element_size()] for t in ts]
+
     for save in (lambda ts: [t.cpu() for t in pickle.loads(pickle.dumps(ts))], legacy):
         for _ in range(3):
             before = [p.detach().cpu().clone() for p in m.parameters()]
@@ -638,6 +646,15 @@ def test_pickle_and_the_legacy_format_see_what_the_operators_see():
             torch.superchip.synchronize()
             assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(got, m.parameters()))
             opt.zero_grad()
+    for _ in range(3):
+        before = prefix(m.parameters())
+        m(x).square().mean().backward()
+        assert all(torch.equal(a, b) for a, b in zip(indexed([p.detach() for p in m.parameters()]), before))
+        opt.step()
+        got = indexed([p.detach() for p in m.parameters()])
+        torch.superchip.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, prefix(m.parameters())))
+        opt.zero_grad()
     assert opt.offload_stats()["speculated_buckets"] > 0
 
 
