@@ -85,12 +85,29 @@
 // passes (its least over the period just recorded: weights, optimizer state, the batch; the
 // plan itself is often made mid-pass, with activations and gradients in hbm) is under the
 // weights limit, the streamed weights that fit beneath it move back to hbm, as long as the
-// arena for those still streamed keeps its least room. Never a weight the
+// arena for those still streamed keeps its least room; when hbm is unlimited (budget 0), every
+// streamed weight. Never a weight the
 // user placed by hand (superchip.move_to_tier), which the plan does not demote either. Applied
 // with the demotions, between operators (apply()); one hbm cannot take now is tried again after
 // the engine's queued steps ran (they hold the last step's gradients), then at the next apply()
 // (activations of the pass in which the plan was made), up to kApplyTries times; the arena is
-// reserved once none is left to try.
+// reserved once none is left to try. A move that did not happen in the end (a promotion still
+// without room, a demotion host refused) leaves the plan's arena and window sized for a
+// placement that is not the weights': the plan is redone from where they are, and those weights
+// are "stuck" (no plan moves them) until the budget changes, so plans cannot loop on them;
+// `promoted` and `demoted` count only the moves made.
+//
+// Note [The plan measures between passes]
+// A plan is made at the read that completes its second equal period, which is where recording
+// began: between passes for a new model, but mid-pass, activations at their height, when a
+// weight came in while passes ran (resize_token_embeddings: recording began at the new LM
+// head's read, the end of a forward). So it reads nothing from that moment: hbm's use between
+// passes is its least over the recorded period, the activations' and gradients' peak is the
+// swing of both tiers' use over it (a baseline taken when recording began counted the previous
+// plan's arena and the activations of that moment: the resized model got a 13 KB arena and
+// every read went in place), and staging is left out exactly (g_staging_hbm: live arenas and
+// blocks of copies, where the copies' bytes left an arena's unused room counted as use). An
+// arena hbm cannot hold when the plan is made is taken at the period's position of least use.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
@@ -112,14 +129,22 @@ constexpr int kMaxReplansInRow = 3;
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
 constexpr int kApplyTries = 4;       // Note [Promotions]
 
+// hbm held for staging (Note [The plan measures between passes]): live arenas, whole, and
+// copies outside an arena until their blocks are freed.
+std::atomic<int64_t> g_staging_hbm{0};
+
 // ---- the staging arena: one hbm block the plan reserves, carved first-fit ----
 
 class Arena {
  public:
   Arena(void* base, size_t size) : base_(static_cast<char*>(base)), size_(size) {
     free_.emplace(0, size);
+    g_staging_hbm.fetch_add(static_cast<int64_t>(size), std::memory_order_relaxed);
   }
-  ~Arena() { free_block(base_); }  // after the stream that read it (SuperchipAllocator.h)
+  ~Arena() {
+    free_block(base_);  // after the stream that read it (SuperchipAllocator.h)
+    g_staging_hbm.fetch_sub(static_cast<int64_t>(size_), std::memory_order_relaxed);
+  }
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
@@ -188,8 +213,12 @@ struct Entry {
     if (block == nullptr) return;
     copier->before_release(ticket.get());  // the copy may still be writing the block
     ticket.reset();
-    if (arena) arena->release(block, nbytes);
-    else free_block(block);
+    if (arena) {
+      arena->release(block, nbytes);
+    } else {
+      free_block(block);
+      g_staging_hbm.fetch_sub(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
+    }
     block = nullptr;
   }
 };
@@ -252,6 +281,8 @@ struct WeightStreamer::Impl {
     c10::weak_intrusive_ptr<c10::StorageImpl> weak;
     uint64_t marked;  // value of `marks` that marked it
     bool by_hand = false;  // placed by superchip.move_to_tier: the plan never moves it
+    bool stuck = false;    // a move a plan asked for failed: plans leave it where it is until
+                           // the budget changes (Note [Promotions])
   };
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
@@ -266,10 +297,9 @@ struct WeightStreamer::Impl {
   // Recording.
   std::vector<const c10::StorageImpl*> trace;
   std::vector<size_t> trace_bytes;
-  std::vector<size_t> trace_hbm;  // hbm allocated at each read, staging excluded
+  std::vector<size_t> trace_hbm;   // hbm allocated at each read, staging excluded
+  std::vector<size_t> trace_both;  // both tiers' allocated bytes at each read, staging excluded
   std::unordered_map<PairKey, std::vector<size_t>, PairHash> trace_pairs;  // -> positions of the 2nd
-  size_t rec_base = 0;  // both tiers' allocated bytes when recording began
-  size_t rec_peak = 0;  // their peak while recording, staging excluded
 
   // The plan.
   struct Item {
@@ -287,12 +317,14 @@ struct WeightStreamer::Impl {
   size_t staging_budget = 0;
   size_t plan_capacity = 0;
   size_t activation_peak = 0;
+  size_t low_pos = 0;       // the position of the order at which hbm held the least
   std::shared_ptr<Arena> arena;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> demote;  // applied by apply()
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> promote;  // applied by apply()
   int64_t demoted = 0;
   int64_t promoted = 0;
   int apply_tries = 0;  // apply() calls that found promotions hbm had no room for yet
+  size_t stuck_capacity = 0;  // the budget of the plan whose moves failed (Weight::stuck)
   int64_t version = 0;
   int64_t period = 0;  // periods completed while streaming
   size_t period_reads = 0;
@@ -332,9 +364,8 @@ struct WeightStreamer::Impl {
     trace.clear();
     trace_bytes.clear();
     trace_hbm.clear();
+    trace_both.clear();
     trace_pairs.clear();
-    rec_peak = 0;
-    rec_base = both_tiers_allocated();
     rec_marks = marks;
     young_streak = 0;
     unknown_streak = 0;
@@ -349,16 +380,38 @@ struct WeightStreamer::Impl {
     reach.clear();
   }
 
+  static size_t staging_hbm() {
+    return static_cast<size_t>(std::max<int64_t>(g_staging_hbm.load(std::memory_order_relaxed), 0));
+  }
+
   size_t both_tiers_allocated() {
     MemoryManager& m = mm();
     const auto total = static_cast<size_t>(m.stats(Tier::kHbm).allocated_bytes + m.stats(Tier::kHost).allocated_bytes);
-    const auto staging = static_cast<size_t>(st.staging_bytes);
+    const size_t staging = staging_hbm();
     return total > staging ? total - staging : 0;
   }
 
+  // Operator threads only (it may free blocks).
   void allocate_arena() {
     if (arena || staging_budget == 0) return;
-    if (void* base = mm().try_allocate(staging_budget, Tier::kHbm)) {
+    void* base = mm().try_allocate(staging_budget, Tier::kHbm);
+    if (base == nullptr) {
+      // Copies staged at use while there was no arena may hold its room: they go (prefetch
+      // stages them again, in the arena).
+      bool dropped = false;
+      for (auto it = staged.begin(); it != staged.end();) {
+        if (!it->second->arena && it->second.use_count() == 1) {
+          it->second->release_block();
+          drop(it->second);
+          it = staged.erase(it);
+          dropped = true;
+        } else {
+          ++it;
+        }
+      }
+      if (dropped) base = mm().try_allocate(staging_budget, Tier::kHbm);
+    }
+    if (base != nullptr) {
       note_block_allocated(base, staging_device());
       arena = std::make_shared<Arena>(base, staging_budget);
     }
@@ -366,15 +419,14 @@ struct WeightStreamer::Impl {
 
   size_t hbm_allocated() {
     const auto total = static_cast<size_t>(mm().stats(Tier::kHbm).allocated_bytes);
-    const auto staging = static_cast<size_t>(st.staging_bytes);
+    const size_t staging = staging_hbm();
     return total > staging ? total - staging : 0;
   }
 
-  void sample_peak() { rec_peak = std::max(rec_peak, both_tiers_allocated()); }
-
-  bool by_hand(const c10::StorageImpl* s) const {
+  // Whether plans leave `s` where it is: placed by hand, or a move of it failed.
+  bool unmovable(const c10::StorageImpl* s) const {
     auto w = weights.find(s);
-    return w != weights.end() && w->second.by_hand;
+    return w != weights.end() && (w->second.by_hand || w->second.stuck);
   }
 
   // The arena the streamed weights of `order` need: `need`, room for all of their copies at
@@ -408,15 +460,15 @@ struct WeightStreamer::Impl {
   // `free_low` their bytes.
   ArenaNeed plan_promotions(std::unordered_set<const c10::StorageImpl*>& streamed, size_t low,
                             size_t& free_low, ArenaNeed a) {
-    const size_t limit = mm().weights_limit();
-    if (limit <= low) return a;
-    const size_t room = limit - low;
+    const size_t limit = mm().weights_limit();  // 0: hbm is unlimited
+    if (limit != 0 && limit <= low) return a;
+    const size_t room = limit == 0 ? SIZE_MAX : limit - low;
     std::unordered_map<const c10::StorageImpl*, int> reads;
     for (const Item& it : order) reads[it.s]++;
     std::vector<const Item*> cands;
     for (size_t k = 0; k < order.size(); ++k) {
       const Item& it = order[k];
-      if (streamed.count(it.s) && first[it.s] == k && !by_hand(it.s) && !it.weak.expired()) {
+      if (streamed.count(it.s) && first[it.s] == k && !unmovable(it.s) && !it.weak.expired()) {
         cands.push_back(&it);
       }
     }
@@ -457,7 +509,25 @@ struct WeightStreamer::Impl {
       first.emplace(order[k].s, k);
     }
     plan_capacity = hbm_capacity();
-    activation_peak = rec_peak > rec_base ? rec_peak - rec_base : 0;
+    if (plan_capacity != stuck_capacity) {
+      for (auto& w : weights) w.second.stuck = false;  // a new budget: they may move now
+    }
+    // Note [The plan measures between passes]: what hbm holds between passes is its least over
+    // the period (this read, the period's first again, included), and what activations and
+    // gradients take is the swing of both tiers over it.
+    size_t low = hbm_allocated();
+    size_t both_low = both_tiers_allocated();
+    size_t both_high = both_low;
+    low_pos = 0;
+    for (size_t i = from; i < trace_hbm.size(); ++i) {
+      if (trace_hbm[i] < low) {
+        low = trace_hbm[i];
+        low_pos = i - from;
+      }
+      both_low = std::min(both_low, trace_both[i]);
+      both_high = std::max(both_high, trace_both[i]);
+    }
+    activation_peak = both_high - both_low;
     arena.reset();
     demote.clear();
     promote.clear();
@@ -486,48 +556,43 @@ struct WeightStreamer::Impl {
     std::sort(row_only.begin(), row_only.end(), [](const Item& a, const Item& b) { return a.nbytes > b.nbytes; });
     std::vector<const Item*> candidates;
     for (const Item& r : row_only) {
-      if (!in_host(r.s) && !by_hand(r.s)) candidates.push_back(&r);
+      if (!in_host(r.s) && !unmovable(r.s)) candidates.push_back(&r);
     }
     const size_t rows_first = candidates.size();
     for (const Item* it : stationary) {
-      if (!by_hand(it->s)) candidates.push_back(it);
+      if (!unmovable(it->s)) candidates.push_back(it);
     }
-    const size_t hbm_used = hbm_allocated();
     const size_t margin = plan_capacity / 32;
     size_t freed = 0;
     size_t next_demote = 0;
-    size_t free_now = 0;
+    size_t free_between = 0;
     ArenaNeed a;
     for (;;) {
       a = arena_need(streamed);
       if (plan_capacity == 0) break;
       const size_t avail = plan_capacity + freed;
-      free_now = avail > hbm_used + margin ? avail - hbm_used - margin : 0;
-      if (free_now >= a.least || next_demote == candidates.size()) break;
+      free_between = avail > low + margin ? avail - low - margin : 0;
+      if (free_between >= a.least || next_demote == candidates.size()) break;
       const bool row_read = next_demote < rows_first;  // read in place: nothing to stage
       const Item* d = candidates[next_demote++];
       if (!row_read) streamed.insert(d->s);
       demote.push_back(d->weak);
       freed += d->nbytes;
     }
-    if (demote.empty() && plan_capacity > 0) {
-      // What hbm holds between passes: its least over the period just recorded, which begins
-      // after a whole period of reads (an optimizer's state, made by the first step, is in).
-      size_t low = hbm_used;
-      for (size_t i = from; i < trace_hbm.size(); ++i) low = std::min(low, trace_hbm[i]);
-      size_t free_low = plan_capacity > low + margin ? plan_capacity - low - margin : 0;
-      const size_t streamed_before = a.streamed_bytes;
+    if (demote.empty()) {
+      // The period just recorded begins after a whole period of reads (an optimizer's state,
+      // made by the first step, is in `low`). An unlimited hbm takes every streamed weight.
+      size_t free_low = plan_capacity == 0 ? SIZE_MAX : free_between;
       a = plan_promotions(streamed, low, free_low, a);
-      // Promoted: the arena is sized from hbm between passes, as the weights were.
-      if (a.streamed_bytes != streamed_before) free_now = free_low;
+      if (plan_capacity > 0) free_between = free_low;
     }
     streamed_bytes = a.streamed_bytes;
     if (plan_capacity == 0) {
       staging_budget = a.need;
     } else {
       // Room for the activations' measured peak first, then for staging, at least `least`.
-      const size_t want = free_now > activation_peak ? free_now - activation_peak : 0;
-      staging_budget = std::min(std::min(std::max(want, a.least), a.need), free_now);
+      const size_t want = free_between > activation_peak ? free_between - activation_peak : 0;
+      staging_budget = std::min(std::min(std::max(want, a.least), a.need), free_between);
     }
     const size_t need = a.need;
     demoted = static_cast<int64_t>(demote.size());
@@ -564,13 +629,13 @@ struct WeightStreamer::Impl {
     trace.clear();
     trace_bytes.clear();
     trace_hbm.clear();
+    trace_both.clear();
     trace_pairs.clear();
     state = State::kStreaming;
   }
 
   // Records one (collapsed) read; may turn the trace into a plan.
   void record(const c10::StorageImpl* prev, const c10::StorageImpl* s, size_t nbytes) {
-    sample_peak();
     // Note [Inputs are not weights]: marked since recording began, so not part of the order,
     // unless nothing else is read (a model that came after recording began).
     auto w = weights.find(s);
@@ -601,12 +666,14 @@ struct WeightStreamer::Impl {
     trace.push_back(s);
     trace_bytes.push_back(nbytes);
     trace_hbm.push_back(hbm_allocated());
+    trace_both.push_back(both_tiers_allocated());
     if (prev != nullptr) trace_pairs[PairKey(prev, s)].push_back(trace.size() - 1);
     if (trace.size() >= kMaxTrace) {
       state = State::kUnplanned;
       trace.clear();
       trace_bytes.clear();
       trace_hbm.clear();
+      trace_both.clear();
       trace_pairs.clear();
     }
   }
@@ -675,6 +742,9 @@ struct WeightStreamer::Impl {
     period_reads++;
     cursor = pos;
     unknown_streak = 0;
+    // Note [The plan measures between passes]: an arena the plan could not take when it was
+    // made is taken where hbm holds the least.
+    if (!arena && pos == low_pos && demote.empty() && promote.empty()) allocate_arena();
     return true;
   }
 
@@ -713,7 +783,10 @@ struct WeightStreamer::Impl {
     const bool planned = arena && first.count(s) != 0;
     void* block = planned ? arena->allocate(n) : m.try_allocate(n, Tier::kHbm);
     if (block == nullptr) return nullptr;
-    if (!planned) note_block_allocated(block, staging_device());
+    if (!planned) {
+      note_block_allocated(block, staging_device());
+      g_staging_hbm.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
+    }
     auto e = std::make_shared<Entry>();
     if (planned) e->arena = arena;
     e->source = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
@@ -1048,6 +1121,7 @@ bool WeightStreamer::apply() {
     promote.swap(impl_->promote);
     version = impl_->version;
   }
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> failed;  // moves that did not happen
   for (const auto& w : demote) {
     c10::intrusive_ptr<c10::StorageImpl> s = w.lock();
     if (!s) continue;
@@ -1056,6 +1130,7 @@ bool WeightStreamer::apply() {
       move_storage_to_tier(*s, Tier::kHost);
     } catch (const std::exception&) {
       // host is full or a collective holds the bytes: the weight stays in hbm.
+      failed.push_back(w);
     }
   }
   // Note [Promotions]: what hbm cannot take now is tried again once the optimizer's queued
@@ -1076,13 +1151,38 @@ bool WeightStreamer::apply() {
     promote.swap(left);
   }
   left.swap(promote);
+  // Strong references to the weights whose moves failed, released after the lock (a storage
+  // may not die under it).
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> unmoved;
+  for (const auto* list : {&failed, &left}) {
+    for (const auto& w : *list) {
+      if (auto s = w.lock()) unmoved.push_back(std::move(s));
+    }
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->version != version) return false;  // a new plan, with its own promotions
-  if (!left.empty() && ++impl_->apply_tries < kApplyTries) {
-    impl_->promote = std::move(left);
+  Impl& d = *impl_;
+  if (d.version != version) return false;  // a new plan, with its own promotions
+  if (!left.empty() && failed.empty() && ++d.apply_tries < kApplyTries) {
+    d.promote = std::move(left);
     return true;
   }
-  if (impl_->state == State::kStreaming) impl_->allocate_arena();
+  if (!failed.empty() || !left.empty()) {
+    // The plan's arena and window were sized for moves that did not happen: it is redone
+    // from where the weights are, which no plan moves again until the budget changes.
+    d.demoted -= static_cast<int64_t>(failed.size());
+    d.promoted -= static_cast<int64_t>(left.size());
+    for (const auto& s : unmoved) {
+      auto it = d.weights.find(s.get());
+      if (it != d.weights.end()) it->second.stuck = true;
+    }
+    d.stuck_capacity = d.plan_capacity;
+    if (d.state == State::kStreaming) {
+      d.replans_in_row = 0;
+      d.start_recording();
+    }
+    return false;
+  }
+  if (d.state == State::kStreaming) d.allocate_arena();
   return false;
 }
 

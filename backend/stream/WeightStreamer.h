@@ -26,7 +26,9 @@
 //    advances a cursor through the order, stages the next weights of the window ahead of use
 //    (a copier thread in emulated mode) and releases staged copies that left the window. The
 //    plan is redone when the hbm budget changes, a planned weight dies, a new weight keeps
-//    being read, or reads stop following the order.
+//    being read, reads stop following the order, or a move it asked for failed. Its figures
+//    are measured over one recorded period, wherever in a pass the plan was made (Note [The
+//    plan measures between passes]).
 //  - Staging memory comes from the `hbm` tier (accounted in its statistics, never past its
 //    budget): the arena, once planned, for the plan's weights; single blocks while recording
 //    and for weights outside the plan (a batch). When neither can hold a copy, the kernel

@@ -881,3 +881,129 @@ def test_the_staging_arena_gives_way_to_a_lower_budget_and_a_weight_moved_by_han
     assert out["moved"] == "hbm", out
     assert out["peak"] <= 1 << 20, out
     assert out["same"], out
+
+
+def test_a_plan_made_mid_pass_sizes_its_arena_from_hbm_between_passes():
+    # Note [The plan measures between passes] in stream/WeightStreamer.cpp: a weight that
+    # comes in while passes run (resize_token_embeddings on the device) starts a recording at
+    # its first read, the end of a forward, and the plan is made at that point of the pass,
+    # activations in hbm. It took its baseline there (and the old plan's arena with it): the
+    # resized model got a 13,692-byte arena where the first had 438,784, its activations were
+    # measured at 273 KB instead of 3.3 MB, and every read of a streamed weight went in place
+    # (88 in two steps) instead of being staged (found by review).
+    r = _run(textwrap.dedent(_STREAM) + textwrap.dedent("""
+        ref = llama()
+        model = copy.deepcopy(ref).to("superchip")
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        same = train(ref, o_ref, 5) == train(model, o, 5)
+        before = superchip.weights_plan()
+        for m in (ref, model):
+            torch.manual_seed(3)
+            m.resize_token_embeddings(520, mean_resizing=False)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        same_resized = train(ref, o_ref, 6, seed=2) == train(model, o, 6, seed=2)
+        st0 = superchip.stream_stats()
+        same_late = train(ref, o_ref, 2, seed=3) == train(model, o, 2, seed=3)
+        st1 = superchip.stream_stats()
+        after = superchip.weights_plan()
+        keys = ("staging_budget", "activation_peak_bytes", "version", "state")
+        s = superchip.memory_stats()
+        print(json.dumps(dict(same=[same, same_resized, same_late], bitwise=same_params(ref, model),
+                              before={k: before[k] for k in keys}, after={k: after[k] for k in keys},
+                              hits=st1["hits"] - st0["hits"], in_place=st1["in_place_reads"] - st0["in_place_reads"],
+                              peak=s["hbm.peak_allocated_bytes"], cap=s["hbm.capacity_bytes"])))
+    """), hbm="640K")
+    assert all(r["same"]) and r["bitwise"], r
+    b, a = r["before"], r["after"]
+    assert a["state"] == "streaming" and a["version"] > b["version"], r
+    assert a["staging_budget"] >= 0.9 * b["staging_budget"], r
+    assert 0.9 * b["activation_peak_bytes"] <= a["activation_peak_bytes"] <= 1.1 * b["activation_peak_bytes"], r
+    assert r["in_place"] == 0 and r["hits"] > 0, r
+    assert r["peak"] <= r["cap"], r
+
+
+def test_moves_the_plan_could_not_make_are_not_counted_and_an_unlimited_hbm_takes_every_weight():
+    # Note [Promotions]: a promotion hbm has no room for (a tensor filled it when the plan was
+    # made) was given up after kApplyTries, yet weights_plan() counted it, and the plan's arena
+    # stayed sized as if the weight had moved. Now the count is the moves made, the plan is
+    # redone from where the weights are, and it does not try them again (no loop) until the
+    # budget changes. And set_capacity("hbm", 0) (unlimited) mid-run never promoted: every
+    # weight in host was staged at every step.
+    out = _run("""
+        import copy
+        ref = mlp(128, 12, act=torch.nn.Tanh)
+        model = copy.deepcopy(ref).to("superchip")
+        placed_host = sum(superchip.tier_of(p) == "host" for p in model.parameters())
+        superchip.set_capacity("hbm", 4 << 20)
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        filler = []
+
+        def fill(module, args):
+            # Once the first plan is made (mid-pass, by a read), before its promotions are
+            # applied (the next module call): hbm is full until the step.
+            if not fill.done and superchip.weights_plan()["version"] == 1:
+                superchip.empty_cache()
+                for n in (256 << 10, 32 << 10):
+                    while True:
+                        t = torch.empty(n, dtype=torch.uint8, device="superchip")
+                        try:
+                            superchip.move_to_tier(t, "hbm")  # a factory may place it in host
+                        except torch.OutOfMemoryError:
+                            break
+                        filler.append(t)
+                fill.done = True
+        fill.done = False
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(fill)
+
+        def step():
+            x = torch.randn(8, 128, generator=g)
+            ref(x).square().mean().backward(); o_ref.step(); o_ref.zero_grad()
+            model(x.to("superchip")).square().mean().backward(); o.step(); o.zero_grad()
+            filler.clear()
+
+        def host_weights():
+            return sum(superchip.tier_of(p) == "host" for p in model.parameters())
+
+        while not fill.done:
+            step()
+        hook.remove()
+        torch.superchip.synchronize()
+        first = superchip.weights_plan()
+        first = dict(version=first["version"], promoted=first["promoted"], state=first["state"], host=host_weights())
+        for _ in range(6):
+            step()
+        torch.superchip.synchronize()
+        second = superchip.weights_plan()
+        second = dict(version=second["version"], promoted=second["promoted"], state=second["state"],
+                      streamed=second["streamed_bytes"], host=host_weights())
+        superchip.set_capacity("hbm", 0)
+        for _ in range(4):
+            step()
+        torch.superchip.synchronize()
+        st0 = superchip.stream_stats()
+        step()
+        torch.superchip.synchronize()
+        st1 = superchip.stream_stats()
+        third = superchip.weights_plan()
+        third = dict(promoted=third["promoted"], state=third["state"], streamed=third["streamed_bytes"],
+                     host=host_weights(), staged=st1["staged_bytes"] - st0["staged_bytes"])
+        print(json.dumps(dict(placed_host=placed_host, first=first, second=second, third=third,
+                              same=same_params(ref, model))))
+    """, hbm="512K")
+    assert out["placed_host"] >= 4, out
+    # The plan's promotions found hbm full, and it was redone: nothing counted as promoted.
+    assert out["first"]["promoted"] == 0 and out["first"]["host"] == out["placed_host"], out
+    assert out["first"]["state"] == "recording", out
+    # One more plan, which leaves those weights streamed; no loop of plans.
+    s = out["second"]
+    assert s["state"] == "streaming" and s["version"] == out["first"]["version"] + 1, out
+    assert s["promoted"] == 0 and s["host"] == out["placed_host"] and s["streamed"] > 0, out
+    # Unlimited hbm: every weight moves there, and nothing is staged any more.
+    t = out["third"]
+    assert t["promoted"] == out["placed_host"] and t["host"] == 0, out
+    assert t["streamed"] == 0 and t["staged"] == 0, out
+    assert out["same"], out
