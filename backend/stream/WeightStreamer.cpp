@@ -370,6 +370,8 @@ struct WeightStreamer::Impl {
     young_streak = 0;
     unknown_streak = 0;
     arena.reset();  // freed when its last staged copy goes
+    demote.clear();  // the plan's moves not applied yet go with it
+    promote.clear();
     order.clear();
     pairs.clear();
     first.clear();
@@ -1161,7 +1163,8 @@ bool WeightStreamer::apply() {
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& d = *impl_;
-  if (d.version != version) return false;  // a new plan, with its own promotions
+  // A new plan has its own moves; a dropped one (recording again), none.
+  if (d.version != version || d.state != State::kStreaming) return false;
   if (!left.empty() && failed.empty() && ++d.apply_tries < kApplyTries) {
     d.promote = std::move(left);
     return true;
@@ -1176,13 +1179,11 @@ bool WeightStreamer::apply() {
       if (it != d.weights.end()) it->second.stuck = true;
     }
     d.stuck_capacity = d.plan_capacity;
-    if (d.state == State::kStreaming) {
-      d.replans_in_row = 0;
-      d.start_recording();
-    }
+    d.replans_in_row = 0;
+    d.start_recording();
     return false;
   }
-  if (d.state == State::kStreaming) d.allocate_arena();
+  d.allocate_arena();
   return false;
 }
 
