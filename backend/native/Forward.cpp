@@ -558,6 +558,37 @@ class ForwardedCall {
   // failure, raise the executor's error with what superchip released and what to change.
   // The arguments are kept for that second run: a copy of a few IValues per forwarded op.
   void redispatch() {
+    try {
+      redispatch_retrying();
+    } catch (c10::NotImplementedError&) {
+      explain_missing_kernel();  // raises when the executor has no kernel for the operator
+      throw;
+    }
+  }
+
+  // Note [An operator the executor lacks]
+  // An operator with no kernel for the executor (CUDA-only ones on the emulated superchip:
+  // SyncBatchNorm's batch_norm_stats, _fused_adam's CUDA path) raised the dispatcher's "Could
+  // not run 'aten::X' with arguments from the 'CPU' backend" and a list of dispatch keys,
+  // naming neither superchip nor what to do (found by review). The error now says it.
+  void explain_missing_kernel() const {
+    if (op_.hasKernelForDispatchKey(executor_key(functionality_))) return;  // raised deeper down
+    const std::string name = op_.schema().name();
+    const char* ex = executor() == Executor::kCpu ? "CPU" : "CUDA";
+    std::string m = "superchip: " + name + " has no kernel for superchip's " + ex +
+                    " executor, which runs superchip's operators with PyTorch's " + ex + " kernels.";
+    if (executor() == Executor::kCpu) {
+      m += " PyTorch has no CPU kernel for it (such operators are CUDA-only): it runs on a machine "
+           "with an NVIDIA GPU (the CUDA executor).";
+      if (name.find("batch_norm_") != std::string::npos) {
+        m += " nn.SyncBatchNorm uses it: on the emulated superchip keep nn.BatchNorm (do not call "
+             "nn.SyncBatchNorm.convert_sync_batchnorm when superchip.executor() == 'cpu').";
+      }
+    }
+    TORCH_CHECK_NOT_IMPLEMENTED(false, m);
+  }
+
+  void redispatch_retrying() {
     const c10::DispatchKeySet keys(executor_key(functionality_));
     if (facts_.writes_arguments) {
       try {

@@ -228,8 +228,18 @@ def _split_group_on_the_bound_device() -> None:
 # executor (NCCL's completion is a CUDA event the engine does not order with yet; unverified
 # on a GPU). Validation at step() still compares every speculated gradient with .grad bit for
 # bit, so whatever a hook saw, a wrong speculation costs only a redo.
+#
+# Note [A user's hook after superchip's]
+# torch asks for a communication hook before the first backward, yet takes one later too; DDP
+# takes only one. A user's registered after superchip.optim's first step() was refused with
+# "register_comm_hook ... can only be called once", naming a call the user never made (found by
+# review). So DDP's register_comm_hook (and the built-in ALLREDUCE / FP16_COMPRESS) hands the
+# user's hook to superchip's, which from then on only calls it: DDP lists the user's hook, and
+# the engine, whose buckets no longer arrive reduced, steps them at step() as it does when a
+# user's hook came first. A second registration is refused by DDP as usual.
 
 _ddp_modules = weakref.WeakSet()
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> its DDPReduced
 
 
 def _track_ddp(init):
@@ -246,26 +256,57 @@ def _track_ddp(init):
 
 
 class DDPReduced:
-    """State of the communication hook: which parameters' reduced gradients are ready."""
+    """State of the communication hook: the engines that listen for reduced gradients."""
 
     def __init__(self, group) -> None:
         self.group = group
+        self.listeners = weakref.WeakSet()  # DDPListener, one per optimizer's engine
+        self.user = None         # (state, hook) of a hook the user registered after this one
+
+
+class DDPListener:
+    """One engine's view of the hook: which of its parameters' reduced gradients are ready.
+
+    One per optimizer: two optimizers over parts of one DDP model shared one list, each cleared
+    it at its backward and took the other's buckets, so neither speculated (found by review).
+    And every engine over the model is polled from any engine's gradient hooks (poll_all): an
+    optimizer over the last layers sees its last hook early in backward, before the allreduce
+    of its buckets completes, and never speculated them."""
+
+    def __init__(self, state: DDPReduced, params) -> None:
+        self.state = state
+        self.ids = {id(p) for p in params}
         self.ready: collections.deque = collections.deque()  # (params, reduced grads); any thread
-        self.listening = False   # an engine reads `ready`: otherwise nothing is recorded
+        self.listening = False   # the engine reads `ready`: otherwise nothing is recorded
+        self.poll = None         # weakref.WeakMethod: the engine's speculation of what is ready
+
+    def poll_all(self) -> None:
+        """Lets every listening engine over this DDP model speculate what is reduced (a
+        gradient hook's thread, the training thread)."""
+        for listener in list(self.state.listeners):
+            poll = listener.poll() if listener.poll is not None and listener.listening else None
+            if poll is not None:
+                poll()
 
 
 def _reduce_like_ddp(state: DDPReduced, bucket):
+    if state.user is not None:  # Note [A user's hook after superchip's]
+        user_state, hook = state.user
+        return hook(user_state, bucket)
     buf = bucket.buffer()
     buf.mul_(1.0 / state.group.size())
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
-    if not state.listening:
+    if not any(listener.listening for listener in state.listeners):
         return fut.then(lambda f: f.value()[0])
     params, grads = bucket.parameters(), bucket.gradients()
 
     def reduced(f):
         out = f.value()[0]
-        if state.listening:
-            state.ready.append((params, grads))
+        for listener in list(state.listeners):
+            if listener.listening:
+                mine = [(p, g) for p, g in zip(params, grads) if id(p) in listener.ids]
+                if mine:
+                    listener.ready.append(([p for p, _ in mine], [g for _, g in mine]))
         return out
 
     return fut.then(reduced)
@@ -282,8 +323,9 @@ def ddp_of(params):
     return None
 
 
-def attach_ddp_hook(params) -> DDPReduced | None:
-    """The hook state of the DDP module over ``params``, installing the hook on first use.
+def attach_ddp_hook(params) -> DDPListener | None:
+    """A listener for the reduced gradients of ``params`` from the hook of the DDP module over
+    them, installing the hook on first use.
 
     None where the engine cannot use one (Note [Speculation under DDP]).
     """
@@ -291,9 +333,9 @@ def attach_ddp_hook(params) -> DDPReduced | None:
         return None
     ddp = ddp_of(params)
     if ddp is not None:
+        if ddp in _installed:
+            return _listen(_installed[ddp], params)
         hooks = getattr(ddp, "_comm_hooks", None)
-        if hooks and hooks[0][0] is _reduce_like_ddp:
-            return hooks[0][1]
         join = getattr(ddp, "_join_config", None)
         if (hooks or getattr(ddp, "mixed_precision", None) is not None or ddp.gradient_as_bucket_view
                 or getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "process_group", None) is None
@@ -307,8 +349,56 @@ def attach_ddp_hook(params) -> DDPReduced | None:
             if ddp._comm_hooks and ddp._comm_hooks[-1][0] is _reduce_like_ddp:
                 ddp._comm_hooks.pop()
             return None
-        return state
+        _installed[ddp] = state
+        return _listen(state, params)
     return None
+
+
+def _listen(state: DDPReduced, params) -> DDPListener:
+    listener = DDPListener(state, params)
+    state.listeners.add(listener)
+    return listener
+
+
+def _hand_over(register):
+    """Wraps DDP.register_comm_hook: Note [A user's hook after superchip's]."""
+
+    @functools.wraps(register)
+    def register_comm_hook(self, state, hook):
+        ours = _installed.get(self)
+        if ours is None or ours.user is not None:
+            return register(self, state, hook)
+        self._check_comm_hook(hook)
+        if self.logger is not None:
+            self.logger._set_comm_hook_name(hook.__qualname__)
+        ours.user = (state, hook)
+        self._comm_hooks[:] = [(hook, state)]
+
+    register_comm_hook._superchip_wrapped = True
+    return register_comm_hook
+
+
+def _hand_over_builtin(register):
+    """Wraps DDP._register_builtin_comm_hook: Note [A user's hook after superchip's]."""
+
+    @functools.wraps(register)
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        ours = _installed.get(self)
+        if ours is None or ours.user is not None:
+            return register(self, comm_hook_type)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise RuntimeError(
+                f"superchip.optim installed a DDP communication hook at its first step(), and DDP "
+                f"takes one: register {comm_hook_type} before the optimizer's first step(), or "
+                f"create the optimizer with overlap=False.")
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+
+    _register_builtin_comm_hook._superchip_wrapped = True
+    return _register_builtin_comm_hook
 
 
 def _register() -> None:
@@ -319,6 +409,8 @@ def _register() -> None:
 
     if not getattr(DDP.__init__, "_superchip_wrapped", False):
         DDP.__init__ = _track_ddp(DDP.__init__)
+        DDP.register_comm_hook = _hand_over(DDP.register_comm_hook)
+        DDP._register_builtin_comm_hook = _hand_over_builtin(DDP._register_builtin_comm_hook)
     from torch.distributed import distributed_c10d as c10d
 
     if "SCCL" not in dist.Backend._plugins:

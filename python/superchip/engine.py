@@ -300,8 +300,12 @@ class Engine:
                         self._speculate(b, probe=self.probing)
                     else:
                         self.awaiting.append(b)
+        if self.ddp is not None:
+            self.ddp.poll_all()  # at every hook: a bucket's allreduce ends any time (any engine's)
+
+    def _poll_reduced(self) -> None:
         if self.ddp is not None and (self.speculating or self.probing):
-            self._speculate_reduced()  # at every hook: a bucket's allreduce ends any time
+            self._speculate_reduced()
 
     def _speculate_reduced(self) -> None:
         """Under DDP: speculates the awaiting buckets whose reduced gradients are all in.
@@ -598,6 +602,8 @@ class Engine:
 
             self.ddp_tried = True
             self.ddp = _dist.attach_ddp_hook([p for g in self.opt.param_groups for p in g["params"]])
+            if self.ddp is not None:
+                self.ddp.poll = weakref.WeakMethod(self._poll_reduced)
             self.probe_bucket = None
         self._plan()
         # Before any step is queued, in the tiers the plan chose (tail buckets: hbm): the state

@@ -176,28 +176,32 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # few elements keeps the others' low bits). An exact resume (parameter and master from the
     # same checkpoint) compares equal and keeps the master. These are the optimizer's own
     # operators: a user's TorchDispatchMode does not see them. Writes through .data, which has
-    # a version counter of its own, are seen only when they replace the storage; FSDP2's
-    # sharded parameters are not checked.
+    # a version counter of its own, are seen only when they replace the storage. FSDP2's
+    # sharded parameters are checked shard by shard (set_model_state_dict after some steps was
+    # undone by the next step: found by review).
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
         if "master_param" not in state:
             state["master_param"] = self._new_state(p, p)
         master = state["master_param"]
-        if not _dist.is_dtensor(p) and isinstance(master, torch.Tensor):
+        if isinstance(master, torch.Tensor):
             seen = self.__dict__.setdefault("_master_seen", {})
-            key = (p._version, p.data_ptr())
+            with torch.no_grad():  # FSDP2: the local shards themselves
+                local, local_master = _dist.local_shard(p), _dist.local_shard(master)
+            # A write to a DTensor counts in its own version (its shard's is below autograd).
+            key = (p._version, local._version, local.data_ptr())
             if seen.get(p) != key:
                 # Element by element: a write to some elements (a pruning mask, clamp_, a
                 # zeroed row, Embedding(max_norm=)) keeps the low bits of all the others.
                 # Compared on the parameter's device (a model moved to the CPU mid-run).
                 with _disable_current_modes():
-                    now = p.detach()
-                    was = master.to(device=now.device, dtype=p.dtype)
+                    now = local.detach()
+                    was = local_master.to(device=now.device, dtype=p.dtype)
                     same = was.view(torch.int16) == now.view(torch.int16)
                     if not bool(same.all()):
-                        merged = torch.where(same, master.to(now.device), now.float())
-                        _C._copy_into_state(master, merged.to(master.device))
+                        merged = torch.where(same, local_master.to(now.device), now.float())
+                        _C._copy_into_state(local_master, merged.to(local_master.device))
                 seen[p] = key
         return master
 

@@ -475,7 +475,7 @@ class _SlowBackward(nn.Module):
         return self._Fn.apply(x)
 
 
-def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False):
+def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False, late_hook=None, two_opts=False):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -486,7 +486,12 @@ def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False):
     ddp = DDP(model, bucket_cap_mb=0.25)
     if user_hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    opt = superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)
+    if two_opts:
+        # One optimizer over the first layer, one over the layers after the slow one.
+        first, rest = list(layers[0].parameters()), [p for l in layers[1:] for p in l.parameters()]
+        opts = [superchip.optim.AdamW(ps, lr=1e-2, overlap=overlap, bucket_bytes=256 << 10) for ps in (first, rest)]
+    else:
+        opts = [superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)]
     g = torch.Generator().manual_seed(10 + RANK)
 
     def loop(n):
@@ -495,8 +500,14 @@ def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False):
             F.mse_loss(ddp(x), y).backward()
             if step in clip_at:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad()
+            if step == 1 and late_hook == "python":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif step == 1 and late_hook == "builtin":
+                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
 
     if join:
         # Uneven inputs: rank 0 runs out first; DDP then divides by the ranks still training.
@@ -508,7 +519,8 @@ def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False):
         loop(steps)
     torch.superchip.synchronize()
     hooks = [h.__name__ for h, _ in ddp._comm_hooks]
-    return params_cpu(model), (opt.offload_stats() if overlap else None), hooks
+    stats = [opt.offload_stats() for opt in opts] if overlap else None
+    return params_cpu(model), (stats if two_opts or stats is None else stats[0]), hooks
 
 
 def check_ddp_engine():
@@ -531,6 +543,12 @@ def check_ddp_engine():
     # hook cannot know: none is installed.
     join_plain, _, _ = train_ddp_engine(False, join=True)
     joined, _, join_hooks = train_ddp_engine(True, join=True)
+    # Note [A user's hook after superchip's] (distributed.py): a hook the user registers after
+    # the optimizer's first step() replaces superchip's; DDP refused it before ("can only be
+    # called once"). The plain run registers it on a DDP with no hook; same bits.
+    late_plain, _, _ = train_ddp_engine(False, late_hook="python")
+    late, _, late_hooks = train_ddp_engine(True, late_hook="python")
+    late_builtin, _, _ = train_ddp_engine(True, late_hook="builtin")
     assert plain_hooks == [] and hooks == ["_reduce_like_ddp"], (plain_hooks, hooks)
     assert stats["speculated_buckets"] > 0 and stats["rolled_back_buckets"] == 0, stats
     assert_params(spec, plain, "DDP + engine vs overlap=False")
@@ -540,6 +558,18 @@ def check_ddp_engine():
     assert user_hooks == ["allreduce_hook"], user_hooks
     assert_params(user, user_plain, "DDP (user's comm hook) + engine vs overlap=False")
     assert join_hooks == [], join_hooks
+    assert late_hooks == ["fp16_compress_hook"], late_hooks
+    assert_params(late, late_plain, "DDP + a user's hook after the first step() + engine vs overlap=False")
+    assert_params(late_builtin, late_plain, "DDP + a built-in hook after the first step() + engine")
+    # Two optimizers over one DDP model (DDPListener in distributed.py): each takes its own
+    # reduced buckets, and the one over the last layers, whose own hooks all come before the
+    # slow layer's backward, speculates its buckets from the other's hooks. Before, the two
+    # shared one list and the second speculated nothing.
+    two_plain, _, _ = train_ddp_engine(False, steps=6, two_opts=True)
+    two, (s_first, s_rest), _ = train_ddp_engine(True, steps=6, two_opts=True)
+    assert_params(two, two_plain, "DDP + two optimizers + engine vs overlap=False")
+    assert s_rest["speculated_buckets"] >= 3 * s_rest["buckets"] and s_rest["rolled_back_buckets"] == 0, s_rest
+    assert s_first["rolled_back_buckets"] == 0, s_first
     assert_params(joined, join_plain, "DDP under Join (uneven inputs) + engine vs overlap=False")
 
 
@@ -650,6 +680,36 @@ def check_fsdp2_superchip_optim():
     assert_params(params_cpu(ce_model), params_cpu(cp_model), "FSDP2 + clipping + engine vs overlap=False")
 
 
+def check_fsdp2_bf16_reload():
+    # Note [A written parameter is its master's new value] (optim.py) for FSDP2's sharded
+    # parameters: weights loaded with set_model_state_dict after some steps were overwritten by
+    # the next step from the optimizer's fp32 master (a step at lr=0 moved them by up to 0.03;
+    # found by review). A DTensor's writes count in its own version, not its shard's.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = shard(mlp().bfloat16().to(DEV), init_device_mesh(DEV.type, (WORLD,)))
+        opt = superchip.optim.AdamW(model.parameters(), lr=1e-2, overlap=overlap)
+        loaded = {k: v.detach().clone() for k, v in get_model_state_dict(model).items()}
+
+        def step(xy):
+            F.mse_loss(model(xy[0].bfloat16()).float(), xy[1]).backward()
+            opt.step()
+            opt.zero_grad()
+
+        for xy in batches(3, DEV):
+            step(xy)
+        set_model_state_dict(model, loaded)
+        for group in opt.param_groups:
+            group["lr"] = 0.0  # weight decay too: lr * wd = 0
+        step(next(iter(batches(1, DEV, seed=5))))
+        torch.superchip.synchronize()
+        for name, p in get_model_state_dict(model).items():
+            eq(p.full_tensor(), loaded[name].full_tensor().cpu(), f"{name} after a step at lr=0 (overlap={overlap})")
+
+
 def check_dcp_roundtrip():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -756,7 +816,7 @@ GROUPS = {
                     "collective_writes_streamed_weight",
                     "functional_collectives", "other_backend_strings", "device_id_and_split"],
     "training": ["ddp", "ddp_superchip_optim", "ddp_engine", "fsdp2", "fsdp2_superchip_optim",
-                 "dcp_roundtrip", "dtensor_random_init", "ulysses"],
+                 "fsdp2_bf16_reload", "dcp_roundtrip", "dtensor_random_init", "ulysses"],
     "three_ranks": ["ddp_engine"],  # launched on 3 ranks (test_distributed.py)
 }
 

@@ -151,3 +151,21 @@ def test_python_m_superchip_info():
     assert "devices: 1" in out
     assert "hbm" in out and "host" in out
     assert "topology" in out.lower()
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu", reason="the CUDA executor has the kernel")
+def test_an_operator_the_executor_lacks_names_superchip_and_what_to_do():
+    # Note [An operator the executor lacks] (native/Forward.cpp): nn.SyncBatchNorm on the
+    # emulated superchip raised the dispatcher's "Could not run 'aten::batch_norm_stats' with
+    # arguments from the 'CPU' backend" and a list of dispatch keys (found by review).
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(NotImplementedError) as e:
+        torch.batch_norm_stats(x, 1e-5)
+    msg = str(e.value)
+    assert msg.startswith("superchip: aten::batch_norm_stats has no kernel for superchip's CPU executor"), msg
+    assert "CUDA-only" in msg and "convert_sync_batchnorm" in msg, msg
+    # A CPU kernel's own NotImplementedError (a dtype it lacks) is not rewritten.
+    b = torch.ones(3, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Bool'") as e:
+        b.lerp(b, 0.5)
+    assert "superchip" not in str(e.value), e.value
