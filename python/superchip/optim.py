@@ -201,7 +201,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     same = was.view(torch.int16) == now.view(torch.int16)
                     if not bool(same.all()):
                         merged = torch.where(same, local_master.to(now.device), now.float())
-                        _C._copy_into_state(local_master, merged.to(local_master.device))
+                        if local_master.device.type == "superchip":
+                            _C._copy_into_state(local_master, merged.to(local_master.device))
+                        else:  # an optimizer over CPU parameters keeps CPU state
+                            local_master.copy_(merged)
                 seen[p] = key
         return master
 

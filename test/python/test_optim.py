@@ -706,6 +706,24 @@ def test_load_state_dict_without_room_changes_nothing(overlap):
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(src_model.parameters(), model.parameters()))
 
 
+def test_a_write_to_a_bf16_cpu_parameter_becomes_its_master():
+    # The same for an optimizer over CPU parameters, whose state is on the CPU: the merge
+    # raised "_copy_into_state: expected a superchip tensor, got one on cpu" (found by review).
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    opt = superchip.optim.AdamW([p], lr=1e-3)
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    with torch.no_grad():
+        p[:32].zero_()
+    p.grad = torch.ones_like(p)
+    opt.step()
+    # The zeroed half moved one step (about lr) from zero; the rest kept its master's bits.
+    assert p[:32].abs().max().item() <= 2e-3
+    assert opt.state[p]["master_param"].device.type == "cpu"
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_write_to_a_low_precision_parameter_becomes_its_master(overlap):
     # Note [A written parameter is its master's new value] (optim.py): a bf16 parameter zeroed
