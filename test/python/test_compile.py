@@ -336,6 +336,39 @@ def test_activation_checkpointing_with_random_ops_gives_the_compiled_cpu_bits():
         assert torch.equal(a, b), (a.double() - b.double()).abs().max()
 
 
+def test_conv_nets_compile_channels_last_and_under_no_grad():
+    # Note [Why superchip patches Inductor], point 6: the fake rule of convolution predicted a
+    # contiguous output on superchip where the executor's kernel returns channels_last, and
+    # compiled graphs failed their stride check ("expected size 32==32, stride 1==256"): a
+    # channels_last conv net trained compiled, and a conv net compiled under no_grad (layout
+    # optimization makes it channels_last). Found by review.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.randint(0, 4, (4,))
+    ref = copy.deepcopy(base).to("superchip")
+    with torch.no_grad():
+        want = ref(x.to("superchip"))
+        got = torch.compile(ref)(x.to("superchip"))
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+    losses = {}
+    for compiled in (False, True):
+        model = copy.deepcopy(base).to("superchip").to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = torch.compile(model) if compiled else model
+        xs = x.to("superchip").contiguous(memory_format=torch.channels_last)
+        losses[compiled] = []
+        for _ in range(2):
+            loss = F.cross_entropy(fn(xs), y.to("superchip"))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[compiled].append(loss.item())
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=0)
+
+
 def test_cpp_wrapper_is_rejected_clearly():
     import torch._inductor.config as inductor_config
 

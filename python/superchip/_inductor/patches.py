@@ -35,6 +35,15 @@ still compare the device type with a fixed list instead of asking the registrati
    superchip tensors these ops save and restore ``torch.superchip``'s RNG state, in the
    backend choice, the fake-tensor rule and a PrivateUse1 kernel; other devices keep theirs.
    Where a torch lacks these names, nothing is patched (that error stays).
+6. The fake-tensor rule of convolution (torch/_subclasses/fake_impls.py) predicts the layout of
+   its output from ``torch._C._select_conv_backend`` on the fake inputs: for a superchip
+   device that is ``Overrideable``, whose layout is contiguous, where the executor's kernel
+   (oneDNN on the CPU, cuDNN on CUDA) returns channels_last for a channels_last input or
+   weight. Compiled graphs then failed their stride check (``assert_size_stride``:
+   ``expected size 32==32, stride 1==256``) at every conv net Inductor's layout optimization
+   made channels_last (a conv net under ``no_grad``) and at every channels_last conv net
+   trained compiled (found by review). The two functions answer for superchip fake tensors as
+   for the same fake tensors on the executor's device.
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -95,6 +104,7 @@ def apply() -> None:
     _patch_is_cpu()
     _patch_ir_is_cpu()
     _patch_rng_state_ops()
+    _patch_conv_layout()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
@@ -165,6 +175,34 @@ def _patch_device_properties() -> None:
         return original(device)
 
     DeviceProperties.create = classmethod(create)
+
+
+def _patch_conv_layout() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    def on_executor(t):
+        """A superchip fake tensor as the same fake tensor on the executor's device."""
+        if not isinstance(t, FakeTensor) or t.fake_device.type != "superchip":
+            return t
+        index = t.fake_device.index
+        device = torch.device("cpu") if superchip.executor() == "cpu" else torch.device("cuda", index or 0)
+        with unset_fake_temporarily():
+            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return FakeTensor(t.fake_mode, meta, device)
+
+    def answering_for_the_executor(original):
+        def wrapper(*args, **kwargs):
+            return original(*[on_executor(a) for a in args], **{k: on_executor(v) for k, v in kwargs.items()})
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__name__ = original.__name__
+        return wrapper
+
+    for name in ("_select_conv_backend", "_conv_determine_backend_memory_format"):
+        original = getattr(torch._C, name, None)
+        if original is None:
+            raise RuntimeError(f"superchip: torch._C.{name} is missing; check superchip/_inductor/patches.py")
+        setattr(torch._C, name, answering_for_the_executor(original))
 
 
 def _superchip_device(args, kwargs):
