@@ -213,6 +213,8 @@ def _apply_stream_plan(optimizer, args, kwargs) -> None:
     # (WeightStreamer::apply). Done here, so the module hook goes too (while it is on,
     # torch.compile(module) warns about global module hooks at every call), unless a promotion
     # found no room yet: the next module call tries again.
+    if torch.compiler.is_compiling():
+        return None  # a compiled step (Note [Hooks under torch.compile]): the next module call applies
     _remove_demotion_hook()
     if _C._stream_apply():
         _apply_stream_plan_at_next_module()
@@ -247,6 +249,8 @@ def _demote_before_module(module, args) -> None:
 def _register_parameter(module, name, param) -> None:
     # A parameter made on the device (``with torch.device("superchip")``, ``device=``) is a
     # weight, as one copied in from the CPU is: placed under hbm's weights limit, streamed.
+    if torch.compiler.is_compiling():
+        return None  # Note [Hooks under torch.compile]
     if param is not None and param.device.type == "superchip":
         _C._register_weight(param, place=True)
     return None
@@ -262,6 +266,8 @@ def _register_stepped_parameters(optimizer, args, kwargs) -> None:
     # device without a module registering them (``to_empty(device="superchip")`` after a meta
     # init replaces them in place). Marked only: mid-training, hbm holds activations too, and the
     # plan's demotions make the room. Once per optimizer and parameter count.
+    if torch.compiler.is_compiling():
+        return None  # Note [Hooks under torch.compile]: the next eager step() marks them
     n = sum(len(g["params"]) for g in optimizer.param_groups)
     if _stepped_params.get(optimizer) == n:
         return None
@@ -271,6 +277,14 @@ def _register_stepped_parameters(optimizer, args, kwargs) -> None:
             if p.device.type == "superchip":
                 _C._register_weight(p, place=False)
     return None
+
+# Note [Hooks under torch.compile]
+# These hooks are global: every optimizer step (and module registration) in the process runs
+# them, compiled ones too, where Dynamo traced into their pybind calls: each compiled
+# torch.optim step of a process that imported superchip got a graph break and a "Dynamo does
+# not know how to trace" warning, CPU-only models included (found by review). They do nothing
+# while compiling: what they mark or apply is done by the next eager call (module pre-hook,
+# eager step), and the streamer asks for its moves before the next module call anyway.
 
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook as _register_step_pre_hook  # noqa: E402

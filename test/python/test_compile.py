@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -367,6 +369,36 @@ def test_conv_nets_compile_channels_last_and_under_no_grad():
             opt.step()
             losses[compiled].append(loss.item())
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=0)
+
+
+def test_superchips_global_hooks_add_no_graph_break_to_a_compiled_optimizer_step():
+    # Note [Hooks under torch.compile] (superchip/__init__.py): superchip's global optimizer
+    # step hooks were traced by Dynamo into their pybind calls, so every compiled torch.optim
+    # step in a process that imported superchip (CPU parameters too) got an extra graph break
+    # and a "Dynamo does not know how to trace" warning (found by review).
+    r = run_python(textwrap.dedent("""
+        import json, warnings, torch, superchip
+        import torch._dynamo.utils as du
+        m = torch.nn.Linear(16, 16)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        @torch.compile
+        def step():
+            opt.step()
+
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                m(torch.randn(4, 16)).sum().backward()
+                step()
+        breaks = [k.splitlines()[0] for k in du.counters["graph_break"]]
+        print(json.dumps(dict(breaks=breaks, warnings=[str(x.message)[:120] for x in w if "Dynamo" in str(x.message)])))
+    """), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # torch's own step has user-inserted graph breaks only.
+    assert all("torch._dynamo.graph_break()" in b for b in out["breaks"]), out
+    assert out["warnings"] == [], out
 
 
 def test_cpp_wrapper_is_rejected_clearly():
