@@ -563,7 +563,7 @@ class Engine:
         if not probe and not self._fits(b):
             self.counts["deferred_buckets"] += 1
             return  # stepped at step()
-        cast_fp32 = self.opt._cast_grads_fp32()
+        cast_fp32 = self.opt._cast_grads_fp32(self.buckets[b])
         need = self._host_admits(b, cast_fp32, probe)
         if need is None:
             self.counts["deferred_buckets"] += 1

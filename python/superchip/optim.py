@@ -9,6 +9,7 @@ parameters, live in the ``host`` tier; state tensors are on the parameter's devi
 
 from __future__ import annotations
 
+import os
 import time
 from itertools import chain
 
@@ -317,7 +318,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
             place(bucket, "host")
         return tail
 
-    def _cast_grads_fp32(self) -> bool:
+    def _cast_grads_fp32(self, params) -> bool:
+        # Only low-precision gradients have a cast to place: the link model (measured once per
+        # process, with about 200 MiB of buffers, inside the first speculated backward) is not
+        # measured for fp32 models, nor where SUPERCHIP_CAST_ON decides (found by review).
+        if not any(p.dtype in _LOW_PRECISION for p in params):
+            return False
+        forced = os.environ.get("SUPERCHIP_CAST_ON")
+        if forced in ("executor", "cpu"):
+            return forced == "executor"
         return link_model()["cast_on"] == "executor"
 
     def offload_stats(self) -> dict:
@@ -754,8 +763,6 @@ def link_model() -> dict:
     global _LINK_MODEL
     if _LINK_MODEL is not None:
         return _LINK_MODEL
-    import os
-
     from torch.utils._python_dispatch import _disable_current_modes
 
     forced = os.environ.get("SUPERCHIP_CAST_ON")

@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -1795,3 +1796,35 @@ def test_layers_unfrozen_mid_training_by_a_new_param_group(monkeypatch, policy):
     # `auto` may stay lean here (a forward long next to the step): the hooks count buckets all the same.
     assert st["buckets"] == 8 and st["speculated_buckets" if policy == "always" else "steps"] > 0, st
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_the_link_model_is_measured_only_where_a_cast_is_placed():
+    # The link-cost model (optim.link_model: about 200 MiB of hbm and host buffers and most of
+    # a second) was measured inside the first speculated backward of every model: an fp32
+    # model's hbm peak read 201 MB for 2 KB of weights, and SUPERCHIP_CAST_ON, which decides
+    # without it, measured it too (found by review). Now only a bucket of low-precision
+    # gradients without SUPERCHIP_CAST_ON measures it.
+    code = textwrap.dedent("""
+        import json, torch, superchip, superchip.optim as so
+        out = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(dtype).to("superchip")
+            opt = so.AdamW(model.parameters(), lr=1e-3, bucket_bytes=8192)
+            for _ in range(3):
+                model(torch.randn(8, 64).to(dtype).to("superchip")).float().square().mean().backward()
+                opt.step(); opt.zero_grad()
+            torch.superchip.synchronize()
+            out[str(dtype)] = dict(measured=so._LINK_MODEL is not None, speculated=opt.offload_stats()["speculated_buckets"])
+        print(json.dumps(out))
+    """)
+    for forced in (None, "cpu"):
+        env = dict(SUPERCHIP_SPECULATION="always", SUPERCHIP_EXECUTOR="cpu")
+        if forced:
+            env["SUPERCHIP_CAST_ON"] = forced
+        r = run_python(code, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        fp32, bf16 = out["torch.float32"], out["torch.bfloat16"]
+        assert fp32["speculated"] > 0 and not fp32["measured"], out
+        assert bf16["speculated"] > 0 and bf16["measured"] == (forced is None), out
