@@ -159,14 +159,19 @@ def _install_rng_tracker() -> None:
 
 
 def _default_to_sccl(init):
-    """Wraps BackendConfig.__init__: no backend named + superchip accelerator -> cpu:gloo,superchip:sccl.
+    """Wraps BackendConfig.__init__: no backend named, or "gloo" alone, with a superchip
+    accelerator -> cpu:gloo,superchip:sccl.
 
     torch maps an unnamed backend to the accelerator's backend alone, which would leave CPU
-    tensors (barrier, object collectives, DCP metadata) without a backend.
+    tensors (barrier, object collectives, DCP metadata) without a backend. And a CPU script's
+    ``init_process_group("gloo")`` left superchip tensors without one: every collective and
+    DDP raised "No backend type associated with device type superchip" (found by review);
+    Gloo takes no superchip tensor, so they get sccl, and CPU tensors Gloo as asked.
     """
 
     def __init__(self, backend):
-        if str(backend) == dist.Backend.UNDEFINED and torch._C._get_accelerator().type == "superchip":
+        if torch._C._get_accelerator().type == "superchip" and (
+                str(backend) == dist.Backend.UNDEFINED or str(backend).lower() == "gloo"):
             backend = DEFAULT_BACKEND
         init(self, backend)
 
