@@ -208,13 +208,22 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
 _demotion_hook = None
 
 
+def _has_superchip_params(optimizer) -> bool:
+    return any(p.device.type == "superchip" for g in optimizer.param_groups for p in g["params"])
+
+
 def _apply_stream_plan(optimizer, args, kwargs) -> None:
     # Between operators: the plan's demotions, promotions and its staging arena
     # (WeightStreamer::apply). Done here, so the module hook goes too (while it is on,
     # torch.compile(module) warns about global module hooks at every call), unless a promotion
     # found no room yet: the next module call tries again.
-    if torch.compiler.is_compiling():
-        return None  # a compiled step (Note [Hooks under torch.compile]): the next module call applies
+    if torch.compiler.is_compiling() and not _has_superchip_params(optimizer):
+        return None  # Note [Hooks under torch.compile]
+    _apply_stream_plan_now()
+
+
+@torch.compiler.disable
+def _apply_stream_plan_now() -> None:
     _remove_demotion_hook()
     if _C._stream_apply():
         _apply_stream_plan_at_next_module()
@@ -266,8 +275,13 @@ def _register_stepped_parameters(optimizer, args, kwargs) -> None:
     # device without a module registering them (``to_empty(device="superchip")`` after a meta
     # init replaces them in place). Marked only: mid-training, hbm holds activations too, and the
     # plan's demotions make the room. Once per optimizer and parameter count.
-    if torch.compiler.is_compiling():
-        return None  # Note [Hooks under torch.compile]: the next eager step() marks them
+    if torch.compiler.is_compiling() and not _has_superchip_params(optimizer):
+        return None  # Note [Hooks under torch.compile]
+    _mark_stepped_parameters(optimizer)
+
+
+@torch.compiler.disable
+def _mark_stepped_parameters(optimizer) -> None:
     n = sum(len(g["params"]) for g in optimizer.param_groups)
     if _stepped_params.get(optimizer) == n:
         return None
@@ -282,9 +296,13 @@ def _register_stepped_parameters(optimizer, args, kwargs) -> None:
 # These hooks are global: every optimizer step (and module registration) in the process runs
 # them, compiled ones too, where Dynamo traced into their pybind calls: each compiled
 # torch.optim step of a process that imported superchip got a graph break and a "Dynamo does
-# not know how to trace" warning, CPU-only models included (found by review). They do nothing
-# while compiling: what they mark or apply is done by the next eager call (module pre-hook,
-# eager step), and the streamer asks for its moves before the next module call anyway.
+# not know how to trace" warning, CPU-only models included (found by review). While compiling,
+# an optimizer without superchip parameters skips them (whether it has any is known when
+# tracing: no graph break); one with superchip parameters calls their work as a function
+# Dynamo does not trace (torch.compiler.disable: one graph break, run eagerly each step), so
+# a compiled step still marks its parameters as weights (to_empty after a meta init makes
+# parameters no module registers) and applies the streaming plan's moves. A compiled module
+# registering a parameter (rare) skips it: the next eager registration or step marks it.
 
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook as _register_step_pre_hook  # noqa: E402

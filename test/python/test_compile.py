@@ -399,6 +399,34 @@ def test_superchips_global_hooks_add_no_graph_break_to_a_compiled_optimizer_step
     # torch's own step has user-inserted graph breaks only.
     assert all("torch._dynamo.graph_break()" in b for b in out["breaks"]), out
     assert out["warnings"] == [], out
+    # A compiled step over superchip parameters still marks them as weights: made by to_empty
+    # after a meta init, only the step hook sees them, and weights placed in host stream
+    # (found by review of the first version of this fix, which skipped the hooks when compiling).
+    r = run_python(textwrap.dedent("""
+        import json, warnings, torch, superchip
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            m = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+        m.to_empty(device="superchip")
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        host = sum(superchip.tier_of(p) == "host" for p in m.parameters())
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        step = torch.compile(lambda: opt.step())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                m(torch.randn(4, 128, device="superchip")).square().mean().backward()
+                step()
+                opt.zero_grad()
+        print(json.dumps(dict(host=host, state=superchip.weights_plan()["state"],
+                              hits=superchip.stream_stats()["hits"],
+                              warnings=[str(x.message)[:120] for x in w if "Dynamo" in str(x.message)])))
+    """), env=dict(SUPERCHIP_HBM_BYTES="300K"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["host"] > 0 and out["state"] == "streaming" and out["hits"] > 0, out
+    assert out["warnings"] == [], out
 
 
 def test_cpp_wrapper_is_rejected_clearly():
