@@ -560,8 +560,8 @@ class ForwardedCall {
   void redispatch() {
     try {
       redispatch_retrying();
-    } catch (c10::NotImplementedError&) {
-      explain_missing_kernel();  // raises when the executor has no kernel for the operator
+    } catch (c10::NotImplementedError& e) {
+      explain_missing_kernel(e);  // raises when the executor has no kernel for the operator
       throw;
     }
   }
@@ -571,8 +571,13 @@ class ForwardedCall {
   // SyncBatchNorm's batch_norm_stats, _fused_adam's CUDA path) raised the dispatcher's "Could
   // not run 'aten::X' with arguments from the 'CPU' backend" and a list of dispatch keys,
   // naming neither superchip nor what to do (found by review). The error now says it.
-  void explain_missing_kernel() const {
-    if (op_.hasKernelForDispatchKey(executor_key(functionality_))) return;  // raised deeper down
+  // Only the dispatcher's own error for this operator, and only where the executor has no
+  // kernel at all, computed ones included (a composite's own dtype error stays as it is).
+  void explain_missing_kernel(const c10::NotImplementedError& e) const {
+    const std::string dispatcher = "Could not run '" + op_.schema().operator_name().name + "'";
+    if (e.msg().rfind(dispatcher, 0) != 0 || op_.hasComputedKernelForDispatchKey(executor_key(functionality_))) {
+      return;
+    }
     const std::string name = op_.schema().name();
     const char* ex = executor() == Executor::kCpu ? "CPU" : "CUDA";
     std::string m = "superchip: " + name + " has no kernel for superchip's " + ex +
@@ -585,7 +590,8 @@ class ForwardedCall {
              "nn.SyncBatchNorm.convert_sync_batchnorm when superchip.executor() == 'cpu').";
       }
     }
-    TORCH_CHECK_NOT_IMPLEMENTED(false, m);
+    const std::string& was = e.msg();
+    TORCH_CHECK_NOT_IMPLEMENTED(false, m, " (PyTorch: ", was.substr(0, was.find('.') + 1), ")");
   }
 
   void redispatch_retrying() {

@@ -169,3 +169,9 @@ def test_an_operator_the_executor_lacks_names_superchip_and_what_to_do():
     with pytest.raises(NotImplementedError, match="not implemented for 'Bool'") as e:
         b.lerp(b, 0.5)
     assert "superchip" not in str(e.value), e.value
+    # Nor one raised by an operator the executor runs through a composite kernel.
+    z = torch.randn(4, dtype=torch.complex64, device=DEVICE)
+    values, indices = torch.empty(0, dtype=z.dtype, device=DEVICE), torch.empty(0, dtype=torch.long, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="not implemented for 'ComplexFloat'") as e:
+        torch.mode(z, out=(values, indices))
+    assert "superchip" not in str(e.value), e.value
