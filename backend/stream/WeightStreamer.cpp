@@ -94,7 +94,9 @@
 // reserved once none is left to try. A move that did not happen in the end (a promotion still
 // without room, a demotion host refused) leaves the plan's arena and window sized for a
 // placement that is not the weights': the plan is redone from where they are, and those weights
-// are "stuck" (no plan moves them) until the budget changes, so plans cannot loop on them;
+// are "stuck" (no plan moves them), so plans cannot loop on them. What blocked the move may
+// go (a tensor freed), so stuck weights are tried again by a new plan after kStuckRetry
+// periods, twice as many after each further failure, and at once when the budget changes.
 // `promoted` and `demoted` count only the moves made.
 //
 // Note [The plan measures between passes]
@@ -105,8 +107,9 @@
 // passes is its least over the recorded period, the activations' and gradients' peak is the
 // swing of both tiers' use over it (a baseline taken when recording began counted the previous
 // plan's arena and the activations of that moment: the resized model got a 13 KB arena and
-// every read went in place), and staging is left out exactly (g_staging_hbm: live arenas and
-// blocks of copies, where the copies' bytes left an arena's unused room counted as use). An
+// every read went in place), and staging is left out (g_staging_hbm: live arenas and blocks of
+// copies, by the bytes asked for, where the copies' bytes left an arena's unused room counted
+// as use; the allocator's rounding of those blocks still counts as use). An
 // arena hbm cannot hold when the plan is made is taken at the period's position of least use.
 //
 // Note [Staged copies and writes]
@@ -128,6 +131,8 @@ constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
 constexpr int kApplyTries = 4;       // Note [Promotions]
+constexpr int64_t kStuckRetry = 8;   // Note [Promotions]: periods before stuck weights are retried
+constexpr int64_t kStuckRetryMax = 1024;
 
 // hbm held for staging (Note [The plan measures between passes]): live arenas, whole, and
 // copies outside an arena until their blocks are freed.
@@ -142,8 +147,9 @@ class Arena {
     g_staging_hbm.fetch_add(static_cast<int64_t>(size), std::memory_order_relaxed);
   }
   ~Arena() {
-    free_block(base_);  // after the stream that read it (SuperchipAllocator.h)
+    // Uncounted first: a reader in between sees staging as use, the safe side.
     g_staging_hbm.fetch_sub(static_cast<int64_t>(size_), std::memory_order_relaxed);
+    free_block(base_);  // after the stream that read it (SuperchipAllocator.h)
   }
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -216,8 +222,8 @@ struct Entry {
     if (arena) {
       arena->release(block, nbytes);
     } else {
-      free_block(block);
       g_staging_hbm.fetch_sub(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
+      free_block(block);
     }
     block = nullptr;
   }
@@ -281,8 +287,8 @@ struct WeightStreamer::Impl {
     c10::weak_intrusive_ptr<c10::StorageImpl> weak;
     uint64_t marked;  // value of `marks` that marked it
     bool by_hand = false;  // placed by superchip.move_to_tier: the plan never moves it
-    bool stuck = false;    // a move a plan asked for failed: plans leave it where it is until
-                           // the budget changes (Note [Promotions])
+    bool stuck = false;    // a move a plan asked for failed: plans leave it where it is for a
+                           // while (Note [Promotions])
   };
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
@@ -325,6 +331,8 @@ struct WeightStreamer::Impl {
   int64_t promoted = 0;
   int apply_tries = 0;  // apply() calls that found promotions hbm had no room for yet
   size_t stuck_capacity = 0;  // the budget of the plan whose moves failed (Weight::stuck)
+  int64_t stuck_backoff = 0;  // periods a plan keeps stuck weights where they are (0: none yet)
+  int64_t stuck_retry_at = -1;  // the period of this plan at which they are tried again
   int64_t version = 0;
   int64_t period = 0;  // periods completed while streaming
   size_t period_reads = 0;
@@ -397,9 +405,20 @@ struct WeightStreamer::Impl {
   void allocate_arena() {
     if (arena || staging_budget == 0) return;
     void* base = mm().try_allocate(staging_budget, Tier::kHbm);
+    size_t droppable = 0;
+    size_t free = 0;
     if (base == nullptr) {
+      for (const auto& kv : staged) {
+        if (!kv.second->arena && kv.second.use_count() == 1) droppable += kv.second->nbytes;
+      }
+      const TierStats hbm = mm().stats(Tier::kHbm);
+      const auto used = static_cast<size_t>(std::max<int64_t>(hbm.allocated_bytes, 0));
+      const auto cap = static_cast<size_t>(hbm.capacity_bytes);
+      free = cap > used ? cap - used : 0;
+    }
+    if (base == nullptr && droppable > 0 && free + droppable >= staging_budget) {
       // Copies staged at use while there was no arena may hold its room: they go (prefetch
-      // stages them again, in the arena).
+      // stages them again, in the arena), when that can make the room.
       bool dropped = false;
       for (auto it = staged.begin(); it != staged.end();) {
         if (!it->second->arena && it->second.use_count() == 1) {
@@ -511,9 +530,13 @@ struct WeightStreamer::Impl {
       first.emplace(order[k].s, k);
     }
     plan_capacity = hbm_capacity();
-    if (plan_capacity != stuck_capacity) {
-      for (auto& w : weights) w.second.stuck = false;  // a new budget: they may move now
+    bool any_stuck = false;
+    for (auto& w : weights) {
+      if (plan_capacity != stuck_capacity) w.second.stuck = false;  // a new budget: they may move now
+      any_stuck |= w.second.stuck && !w.second.weak.expired();
     }
+    if (!any_stuck) stuck_backoff = 0;
+    stuck_retry_at = any_stuck ? stuck_backoff : -1;
     // Note [The plan measures between passes]: what hbm holds between passes is its least over
     // the period (this read, the period's first again, included), and what activations and
     // gradients take is the swing of both tiers over it.
@@ -731,6 +754,13 @@ struct WeightStreamer::Impl {
       // Wrapped: a period ended. Misses are judged over at least half an order of reads: a
       // jump back after a few reads (parameters read once for a check) is one short period.
       period++;
+      if (stuck_retry_at >= 0 && period >= stuck_retry_at) {
+        // Note [Promotions]: the moves that failed are tried again by a new plan.
+        for (auto& w : weights) w.second.stuck = false;
+        replans_in_row = 0;
+        start_recording();
+        return false;
+      }
       if (2 * period_reads >= n) {
         if (period_misses * 4 > period_reads) {
           replan_or_give_up();
@@ -1179,6 +1209,7 @@ bool WeightStreamer::apply() {
       if (it != d.weights.end()) it->second.stuck = true;
     }
     d.stuck_capacity = d.plan_capacity;
+    d.stuck_backoff = d.stuck_backoff == 0 ? kStuckRetry : std::min(2 * d.stuck_backoff, kStuckRetryMax);
     d.replans_in_row = 0;
     d.start_recording();
     return false;

@@ -373,6 +373,7 @@ class Engine:
         if self.ddp is not None:
             self.awaiting, self.reduced = [], {}
             self.ddp.ready.clear()
+            self.ddp.ids = {id(p) for p in self.bucket_of}  # params added since attaching too
             self.ddp.listening = self.speculating or self.probing
         elif not self.ddp_tried and (self.speculating or self.probing):
             from . import distributed as _dist

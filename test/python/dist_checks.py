@@ -489,9 +489,18 @@ def train_ddp_engine(overlap, steps=5, user_hook=False, clip_at=(), join=False, 
     if user_hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     if two_opts:
-        # One optimizer over the first layer, one over the layers after the slow one.
+        # One optimizer over the first layer, one over the layers after the slow one; always
+        # speculating, so the count below does not depend on the speculation budget's timing.
         first, rest = list(layers[0].parameters()), [p for l in layers[1:] for p in l.parameters()]
-        opts = [superchip.optim.AdamW(ps, lr=1e-2, overlap=overlap, bucket_bytes=256 << 10) for ps in (first, rest)]
+        was = os.environ.get("SUPERCHIP_SPECULATION")
+        os.environ["SUPERCHIP_SPECULATION"] = "always"
+        try:
+            opts = [superchip.optim.AdamW(ps, lr=1e-2, overlap=overlap, bucket_bytes=256 << 10) for ps in (first, rest)]
+        finally:
+            if was is None:
+                del os.environ["SUPERCHIP_SPECULATION"]
+            else:
+                os.environ["SUPERCHIP_SPECULATION"] = was
     else:
         opts = [superchip.optim.AdamW(ddp.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=256 << 10)]
     g = torch.Generator().manual_seed(10 + RANK)
