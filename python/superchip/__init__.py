@@ -222,7 +222,7 @@ def _apply_stream_plan(optimizer, args, kwargs) -> None:
     _apply_stream_plan_now()
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # lazy: importing superchip does not import Dynamo
 def _apply_stream_plan_now() -> None:
     _remove_demotion_hook()
     if _C._stream_apply():
@@ -280,7 +280,7 @@ def _register_stepped_parameters(optimizer, args, kwargs) -> None:
     _mark_stepped_parameters(optimizer)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # lazy: importing superchip does not import Dynamo
 def _mark_stepped_parameters(optimizer) -> None:
     n = sum(len(g["params"]) for g in optimizer.param_groups)
     if _stepped_params.get(optimizer) == n:
@@ -299,7 +299,8 @@ def _mark_stepped_parameters(optimizer) -> None:
 # not know how to trace" warning, CPU-only models included (found by review). While compiling,
 # an optimizer without superchip parameters skips them (whether it has any is known when
 # tracing: no graph break); one with superchip parameters calls their work as a function
-# Dynamo does not trace (torch.compiler.disable: one graph break, run eagerly each step), so
+# Dynamo does not trace (torch._disable_dynamo, which unlike torch.compiler.disable does not
+# import Dynamo with superchip: one graph break, run eagerly each step), so
 # a compiled step still marks its parameters as weights (to_empty after a meta init makes
 # parameters no module registers) and applies the streaming plan's moves. A compiled module
 # registering a parameter (rare) skips it: the next eager registration or step marks it.
