@@ -568,7 +568,7 @@ class ForwardedCall {
 
   // Note [An operator the executor lacks]
   // An operator with no kernel for the executor (CUDA-only ones on the emulated superchip:
-  // SyncBatchNorm's batch_norm_stats, _fused_adam's CUDA path) raised the dispatcher's "Could
+  // SyncBatchNorm's batch_norm_stats and its backward) raised the dispatcher's "Could
   // not run 'aten::X' with arguments from the 'CPU' backend" and a list of dispatch keys,
   // naming neither superchip nor what to do (found by review). The error now says it.
   // Only the dispatcher's own error for this operator, and only where the executor has no
