@@ -5,6 +5,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -36,16 +37,46 @@
 // misprediction. The plan is redone (recording again) when:
 //  - the hbm budget differs from the one the plan was made for;
 //  - a planned weight died (a new model);
-//  - a weight outside the order is read in periods two apart (it persists: a new weight),
-//    or 16 of them in a row with no planned weight among them (a new model);
-//  - more than a quarter of a period's reads were mispredicted (the order changed; periods
-//    shorter than half the order are judged together with the next ones), at most
+//  - a weight outside the order is read in three periods in a row (it persists: a new
+//    weight), or 16 of them in a row with no planned weight among them (a new model);
+//  - more than a quarter of the reads of a window (as many reads as the order has) were
+//    mispredicted, unless that window is an isolated event (Note [Nested periods]), at most
 //    three times in a row (after that it stops planning: "unplanned", copies at use).
 // Budget: staging may use hbm's capacity minus the peak that everything else (stationary
 // weights, activations, gradients, optimizer state) reached during recording, minus 1/32 of
 // the capacity as a margin. The prefetch depth is the number of upcoming reads whose distinct
 // copies fit in half of that budget (the other half holds the copies being released and the
 // one in use); copies that leave the window [cursor, cursor + depth] are released at once.
+//
+// Note [Nested periods]
+// Training loops repeat at more than one scale: a WGAN's critic steps 5 times for each step of
+// its generator, an RL loop decodes 32 tokens with the policy and then trains it, a DPO step
+// runs the reference forward twice and the policy's once. Recording stops at the first
+// stretch that repeats (one critic step, one decode forward), so the plan was the inner
+// pass; the outer step mispredicted over a quarter of its reads and a new recording found
+// the inner pass again, every iteration, forever (a review's WGAN: 4 plans in 5 iterations,
+// 480 copies at use against 760 hits). And one irregular step now and then (an evaluation
+// every 100 steps, peft's merge_adapter() and its forward) threw away a plan that fits
+// every other step, for about two steps of recording without a single prefetch.
+// So misses are judged per window of as many reads as the order has, and over the last
+// kHorizon windows together:
+//  - while at most a quarter of the horizon's reads were mispredicted, the plan stays: an
+//    irregular step now and then, or an outer step around a well predicted inner pass,
+//    costs its own reads' copies at use and nothing else;
+//  - past that, the plan is redone. When some of its windows were predicted well, its order
+//    is part of the loop and too short for it: the next recording accepts only periods of at
+//    least twice its length (min_period, doubling with each such failure, at most
+//    kMaxMinPeriod), which a loop of a fixed shape repeats (any multiple of its period is one
+//    too). One wrong from its first window (an outer step came first: two critic steps,
+//    then the generator's) is taken for part of the loop when the next recording finds its
+//    order again (cycle_signature: its pairs, whichever read it starts at), and that
+//    recording goes on for a longer period; otherwise the order changed;
+//  - a loop with no longer period (decodes of varying length before each training step)
+//    records 4 x min_period reads without finding one: that recording then takes the
+//    shortest period again, and its plan is a fallback, which keeps going through bad
+//    windows (copies at use where the loop leaves it) until kFallbackBad come in a row,
+//    when min_period starts over.
+// min_period starts over for a new model too (a planned weight died, a new weight read).
 //
 // Note [Inputs are not weights]
 // Weights are recognised by how they arrive (copied in whole from the CPU), and so is a float
@@ -62,9 +93,11 @@
 // streak. (Counting a young weight's reads would not do: a mask copied in each step and read
 // by every layer is read more often than any weight.) While streaming, a batch is a read
 // outside the order seen in one step only (one period, or two when the periods' boundary
-// falls between its forward and backward reads), which changes nothing. A weight that comes
-// later (a second model) is such a read in every period, which starts a new recording that
-// includes it. Dead weights' entries are purged with their addresses, which a later batch may
+// falls between its forward and backward reads), which changes nothing; so is a float
+// evaluation batch copied in once and read every few steps (a new recording each time it was
+// read in periods two apart left it out again: 5 plans in 30 steps). A weight that comes
+// later (a second model) is such a read in every period: three in a row start a new
+// recording that includes it. Dead weights' entries are purged with their addresses, which a later batch may
 // reuse; a storage marked anew at a dead one's address starts with a clean record.
 //
 // Note [Row reads]
@@ -129,6 +162,9 @@ namespace {
 constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
 constexpr size_t kMaxTrace = size_t{1} << 20;
 constexpr int kMaxReplansInRow = 3;
+constexpr size_t kHorizon = 8;                      // Note [Nested periods]
+constexpr int kFallbackBad = 8;                     // Note [Nested periods]
+constexpr size_t kMaxMinPeriod = size_t{1} << 14;  // Note [Nested periods]
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
 constexpr int kApplyTries = 4;       // Note [Promotions]
 constexpr int64_t kStuckRetry = 8;   // Note [Promotions]: periods before stuck weights are retried
@@ -244,6 +280,19 @@ struct PairHash {
 };
 using PairKey = std::pair<const void*, const void*>;
 
+// A cyclic sequence of reads' signature, the same whichever read it starts at: the sum of its
+// pairs' mixed hashes (Note [Nested periods]).
+uint64_t cycle_signature(const c10::StorageImpl* const* reads, size_t n) {
+  uint64_t sig = n;
+  for (size_t k = 0; k < n; ++k) {
+    uint64_t z = PairHash()(PairKey(reads[(k + n - 1) % n], reads[k])) + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;  // splitmix64's finaliser
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    sig += z ^ (z >> 31);
+  }
+  return sig;
+}
+
 enum class State { kIdle, kRecording, kStreaming, kUnplanned };
 
 const char* state_name(State s) {
@@ -338,7 +387,20 @@ struct WeightStreamer::Impl {
   size_t period_reads = 0;
   size_t period_misses = 0;
   int replans_in_row = 0;
-  std::unordered_map<const c10::StorageImpl*, int64_t> unknown_seen;  // -> period first read
+  // Note [Nested periods].
+  size_t min_period = 0;      // the shortest period a recording takes (but a fallback's)
+  bool fallback_plan = false;  // made from a recording that found no period of min_period
+  uint64_t failed_signature = 0;  // cycle_signature of the last plan its misses ended, or 0
+  std::array<std::pair<size_t, size_t>, kHorizon> recent{};  // the last windows: reads, misses
+  size_t windows = 0;         // judged windows of this plan
+  size_t good_windows = 0;    // of those, with at most a quarter mispredicted
+  int bad_windows = 0;        // judged windows in a row with more
+  // A weight outside the order: the last period it was read in, and in how many in a row.
+  struct Unknown {
+    int64_t period;
+    int run;
+  };
+  std::unordered_map<const c10::StorageImpl*, Unknown> unknown_seen;
   std::unordered_set<const c10::StorageImpl*> rows_read;  // read by rows while recording (kept
                                                           // while streaming)
   std::vector<Item> row_only;  // of those, the plan's weights never read whole
@@ -366,6 +428,12 @@ struct WeightStreamer::Impl {
   double copy_bytes() const { return copier_ ? copier_->measured_bytes() - bytes_at_reset : 0.0; }
 
   size_t hbm_capacity() { return static_cast<size_t>(mm().stats(Tier::kHbm).capacity_bytes); }
+
+  // What the plans learned of the loop's shape goes (Note [Nested periods]): a new model.
+  void forget_loop() {
+    min_period = 0;
+    failed_signature = 0;
+  }
 
   void start_recording() {
     state = State::kRecording;
@@ -651,6 +719,9 @@ struct WeightStreamer::Impl {
     period = 0;
     period_reads = 0;
     period_misses = 0;
+    windows = 0;
+    good_windows = 0;
+    bad_windows = 0;
     trace.clear();
     trace_bytes.clear();
     trace_hbm.clear();
@@ -666,6 +737,7 @@ struct WeightStreamer::Impl {
     auto w = weights.find(s);
     if (w != weights.end() && w->second.marked > rec_marks) {
       if (++young_streak < kYoungStreak) return;
+      forget_loop();
       start_recording();  // now none of them is young
     }
     young_streak = 0;
@@ -674,13 +746,23 @@ struct WeightStreamer::Impl {
       auto it = trace_pairs.find(PairKey(prev, s));
       if (it != trace_pairs.end()) {
         // Each earlier position of this pair proposes a period L; it is one when the last two
-        // stretches of L reads are equal (Note [Streaming plan]).
+        // stretches of L reads are equal (Note [Streaming plan]), and L is at least
+        // min_period, unless 4 x min_period reads found none (Note [Nested periods]).
         const size_t n = trace.size();
+        const bool fallback = min_period > 0 && n > 4 * min_period;
         for (auto pos = it->second.rbegin(); pos != it->second.rend(); ++pos) {
           const size_t len = n - *pos;
-          if (len < 2 || 2 * len > n) continue;
+          if (len < (fallback ? 2 : std::max<size_t>(2, min_period))) continue;
+          if (2 * len > n) break;  // positions only get earlier
           if (std::equal(trace.begin() + static_cast<std::ptrdiff_t>(n - len), trace.end(),
                          trace.begin() + static_cast<std::ptrdiff_t>(n - 2 * len))) {
+            if (!fallback && failed_signature != 0 &&
+                cycle_signature(trace.data() + (n - len), len) == failed_signature) {
+              // The order of the plan that just failed, found again: the loop is longer.
+              min_period = std::min(kMaxMinPeriod, std::max(2 * min_period, 2 * len));
+              continue;
+            }
+            fallback_plan = fallback;
             make_plan(n - len);
             cursor = 0;  // order[0] is s
             return;
@@ -701,6 +783,42 @@ struct WeightStreamer::Impl {
       trace_both.clear();
       trace_pairs.clear();
     }
+  }
+
+  // Judges the window of reads just followed (Note [Nested periods]). Returns false when the
+  // plan was dropped.
+  bool judge_window() {
+    const size_t reads = period_reads;
+    const size_t misses = period_misses;
+    period_reads = 0;
+    period_misses = 0;
+    const bool bad = misses * 4 > reads;
+    if (misses == 0) replans_in_row = 0;
+    bad_windows = bad ? bad_windows + 1 : 0;
+    good_windows += bad ? 0 : 1;
+    recent[windows % kHorizon] = {reads, misses};
+    windows++;
+    if (fallback_plan) {
+      if (bad_windows < kFallbackBad) return true;
+      forget_loop();  // kFallbackBad in a row: the loop changed
+    } else {
+      size_t r = 0;
+      size_t m = 0;
+      for (size_t k = 0; k < std::min<size_t>(windows, kHorizon); ++k) {
+        r += recent[k].first;
+        m += recent[k].second;
+      }
+      if (m * 4 <= r) return true;  // the last kHorizon windows were followed well enough
+      // A plan that predicted some windows well is part of the loop: a longer period has it all.
+      // One wrong from its start is, if the next recording finds its order again.
+      if (good_windows > 0) min_period = std::min(kMaxMinPeriod, std::max(2 * min_period, 2 * order.size()));
+      std::vector<const c10::StorageImpl*> reads;
+      reads.reserve(order.size());
+      for (const Item& it : order) reads.push_back(it.s);
+      failed_signature = cycle_signature(reads.data(), reads.size());
+    }
+    replan_or_give_up();
+    return false;
   }
 
   void replan_or_give_up() {
@@ -738,9 +856,14 @@ struct WeightStreamer::Impl {
         // or if nothing planned is read any more (a new model; the old one may be alive).
         // Two periods apart: a batch is read by one step's forward and backward, which the
         // period's boundary may split.
-        auto [u, inserted] = unknown_seen.emplace(s, period);
-        if ((!inserted && period >= u->second + 2) || ++unknown_streak >= kYoungStreak) {
+        auto [u, inserted] = unknown_seen.emplace(s, Unknown{period, 1});
+        if (!inserted && period != u->second.period) {
+          u->second.run = period == u->second.period + 1 ? u->second.run + 1 : 1;
+          u->second.period = period;
+        }
+        if (u->second.run >= 3 || ++unknown_streak >= kYoungStreak) {
           replans_in_row = 0;
+          forget_loop();
           start_recording();
           return false;
         }
@@ -751,8 +874,7 @@ struct WeightStreamer::Impl {
       pos = p != pairs.end() ? p->second : f->second;
     }
     if (pos <= cursor && !(pos == cursor && n == 1)) {
-      // Wrapped: a period ended. Misses are judged over at least half an order of reads: a
-      // jump back after a few reads (parameters read once for a check) is one short period.
+      // Wrapped: a period ended (a misprediction that jumps back ends one too).
       period++;
       if (stuck_retry_at >= 0 && period >= stuck_retry_at) {
         // Note [Promotions]: the moves that failed are tried again by a new plan.
@@ -761,19 +883,11 @@ struct WeightStreamer::Impl {
         start_recording();
         return false;
       }
-      if (2 * period_reads >= n) {
-        if (period_misses * 4 > period_reads) {
-          replan_or_give_up();
-          return false;
-        }
-        if (period_misses == 0) replans_in_row = 0;
-        period_reads = 0;
-        period_misses = 0;
-      }
     }
     period_reads++;
     cursor = pos;
     unknown_streak = 0;
+    if (period_reads >= n && !judge_window()) return false;
     // Note [The plan measures between passes]: an arena the plan could not take when it was
     // made is taken where hbm holds the least.
     if (!arena && pos == low_pos && demote.empty() && promote.empty()) allocate_arena();
@@ -939,7 +1053,10 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
                                ++impl_->marks});
     // Note [Inputs are not weights]: a model's weight is not young.
-    if (of_model && impl_->state == State::kRecording) impl_->start_recording();
+    if (of_model && impl_->state == State::kRecording) {
+      impl_->forget_loop();
+      impl_->start_recording();
+    }
   }
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.
@@ -1075,6 +1192,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     if (!d.prefetch()) {
       // A planned weight died: a new model (Note [Streaming plan]).
       d.replans_in_row = 0;
+      d.forget_loop();
       d.start_recording();
     }
     if (e) {
@@ -1221,6 +1339,7 @@ bool WeightStreamer::apply() {
 void WeightStreamer::replan() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->replans_in_row = 0;
+  impl_->forget_loop();
   impl_->last = nullptr;
   impl_->start_recording();
   impl_->state = State::kIdle;
@@ -1256,6 +1375,7 @@ void WeightStreamer::release_staging() {
     for (const auto& it : d.order) plan_dead |= it.weak.expired();
     if (plan_dead) {
       d.replans_in_row = 0;
+      d.forget_loop();
       d.last = nullptr;
       d.start_recording();  // drops the arena: freed with its last copy, in `dead`
       d.state = State::kIdle;
