@@ -145,16 +145,42 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _STATE_KEYS: tuple = ()
     _CAN_SPECULATE = False
 
+    # Note [An optimizer built before the model moved]
+    # Accelerate's prepare() and HF Trainer build or receive the optimizer over the model's
+    # parameters while the model is still on the CPU, and move the model afterwards: the same
+    # Parameter objects, superchip tensors by the first step(). A default-on engine decided at
+    # construction, found CPU parameters and stayed off for good, silently: every step plain,
+    # exposed time equal to optimizer time (found by a user-flow review of the README's Trainer
+    # path). So the default waits: after each plain step() it looks again, and once every
+    # parameter is on superchip the engine starts (hooks on the parameters), from the next
+    # backward on. Not after SUPERCHIP_OVERLAP=0, overlap=False, or a stop (a parameter that
+    # left the device, a CPU group added: Engine.stop() is for good). overlap=True asks for the
+    # engine at once, so it still refuses CPU parameters at construction.
     def _start_engine(self, overlap, bucket_bytes, tail_buckets) -> None:
         explicit = overlap is not None
         overlap = bool(overlap) if explicit else overlap_default()
         params = [p for g in self.param_groups for p in g["params"]]
+        self._engine_later = None
         if overlap and not _all_superchip(params, "overlap=True" if explicit else None):
-            overlap = False  # the default on a model not on superchip: the plain step
+            overlap = False  # the default on a model not on superchip yet: the plain step
+            self._engine_later = (bucket_bytes, tail_buckets)
         self._overlap_explicit = explicit
         self._state_tiers: dict = {}
         self._engine = Engine(self, overlap=overlap, bucket_bytes=bucket_bytes,
                               tail_buckets=tail_buckets, can_speculate=self._CAN_SPECULATE)
+
+    def _start_engine_later(self) -> None:
+        """After a plain step(): the default-on engine starts once every parameter is on
+        superchip (Note [An optimizer built before the model moved])."""
+        later = self._engine_later
+        if later is None or not _all_superchip([p for g in self.param_groups for p in g["params"]], None):
+            return
+        self._engine_later = None
+        old = self._engine
+        engine = Engine(self, overlap=True, bucket_bytes=later[0], tail_buckets=later[1],
+                        can_speculate=self._CAN_SPECULATE)
+        engine.counts, engine.inline_seconds = old.counts, old.inline_seconds  # cumulative stats
+        self._engine = engine
 
     def _tier(self, p) -> str:
         tiers = getattr(self, "_state_tiers", None)
@@ -356,6 +382,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if stop:
             engine.stop()  # a CPU parameter joined a default-on engine: the plain step
+            self._engine_later = None
         if engine is not None and engine.overlap:
             engine.add_hooks(self.param_groups[-1]["params"])
             engine.forget_buckets()
@@ -589,6 +616,7 @@ class Adam(_FusedOptimizer):
                 self.state[p]["step"] += 1
         self._engine.inline_seconds += time.perf_counter() - t0
         self._engine.counts["steps"] += 1
+        self._start_engine_later()
         return loss
 
 
@@ -721,6 +749,7 @@ class SGD(_FusedOptimizer):
         self._stepped([p for params in groups for p in params])
         self._engine.inline_seconds += time.perf_counter() - t0
         self._engine.counts["steps"] += 1
+        self._start_engine_later()
         return loss
 
 

@@ -895,6 +895,57 @@ def test_engine_needs_superchip_parameters():
     assert len(opt.param_groups) == 2 and not opt._engine.overlap
 
 
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_an_optimizer_built_before_the_model_moved_starts_its_engine(monkeypatch, clip):
+    # Note [An optimizer built before the model moved] (optim.py): accelerate's prepare() and
+    # HF Trainer move the model after the optimizer was built over its CPU parameters. The
+    # default-on engine stayed off for good, silently (buckets 0, exposed == optimizer time).
+    # Now it starts after the first step() that finds every parameter on superchip, and the
+    # run is bitwise the one with overlap=False, speculation forced so the engine's every path
+    # runs.
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+
+    def run(overlap):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, d_model=64, seq_len=32))
+        opt = superchip.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, overlap=overlap,
+                                    bucket_bytes=48 << 10)
+        assert not opt._engine.overlap  # CPU parameters: the plain step for now
+        model.to("superchip")
+        g = torch.Generator().manual_seed(1)
+        on = []
+        for _ in range(5):
+            _, loss = model(_batch(g), _batch(g))
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            on.append(opt._engine.overlap)
+        torch.superchip.synchronize()
+        return model, opt, on
+
+    (ma, oa, _), (mb, ob, on) = run(False), run(None)
+    assert on == [True] * 5, on
+    for x, y in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(_bits(x), _bits(y))
+    st = ob.offload_stats()
+    assert st["steps"] == 5 and st["buckets"] >= 2 and st["speculated_buckets"] > 0, st
+    # A model left on the CPU keeps the plain step; SUPERCHIP_OVERLAP=0 never starts it.
+    cpu_model = torch.nn.Linear(8, 8)
+    opt = superchip.optim.AdamW(cpu_model.parameters())
+    cpu_model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert not opt._engine.overlap
+    monkeypatch.setenv("SUPERCHIP_OVERLAP", "0")
+    lin = torch.nn.Linear(8, 8)
+    opt = superchip.optim.AdamW(lin.parameters())
+    lin.to("superchip")
+    lin(torch.randn(2, 8, device="superchip")).sum().backward()
+    opt.step()
+    assert not opt._engine.overlap
+
 _FORK_SCRIPT = r"""
 import os, sys, time, torch, superchip
 out = sys.argv[1]
