@@ -812,10 +812,10 @@ struct WeightStreamer::Impl {
       // A plan that predicted some windows well is part of the loop: a longer period has it all.
       // One wrong from its start is, if the next recording finds its order again.
       if (good_windows > 0) min_period = std::min(kMaxMinPeriod, std::max(2 * min_period, 2 * order.size()));
-      std::vector<const c10::StorageImpl*> reads;
-      reads.reserve(order.size());
-      for (const Item& it : order) reads.push_back(it.s);
-      failed_signature = cycle_signature(reads.data(), reads.size());
+      std::vector<const c10::StorageImpl*> cycle;
+      cycle.reserve(order.size());
+      for (const Item& it : order) cycle.push_back(it.s);
+      failed_signature = cycle_signature(cycle.data(), cycle.size());
     }
     replan_or_give_up();
     return false;
@@ -854,8 +854,9 @@ struct WeightStreamer::Impl {
         if (rows_read.count(s)) return true;
         // A weight outside the plan: a new one if it keeps being read (Note [Streaming plan]),
         // or if nothing planned is read any more (a new model; the old one may be alive).
-        // Two periods apart: a batch is read by one step's forward and backward, which the
-        // period's boundary may split.
+        // Three periods in a row: a batch is read by one step's forward and backward, which
+        // the period's boundary may split (two), and a fixed evaluation batch every few
+        // periods (Note [Inputs are not weights]).
         auto [u, inserted] = unknown_seen.emplace(s, Unknown{period, 1});
         if (!inserted && period != u->second.period) {
           u->second.run = period == u->second.period + 1 ? u->second.run + 1 : 1;
