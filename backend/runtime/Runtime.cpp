@@ -166,6 +166,9 @@ size_t parse_bytes(const std::string& text, const char* what) {
   }
   TORCH_CHECK(end != text.c_str() && scale > 0 && v >= 0 && std::isfinite(v), what,
               " must be a byte count such as 1073741824, 512M or 8G; got '", text, "'.");
+  // Past 2^63 the conversion to size_t is undefined (x86 gives 0, which reads as "no budget").
+  TORCH_CHECK(v * scale < 9223372036854775808.0, what, "='", text,
+              "' is more than 2^63 bytes; give the budget the machine has, such as 512M or 8G.");
   return static_cast<size_t>(v * scale);
 }
 

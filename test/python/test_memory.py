@@ -512,6 +512,10 @@ def test_byte_suffixes_in_budget_variables():
                        env={"SUPERCHIP_HBM_BYTES": text})
         assert r.returncode == 0, r.stderr
         assert int(r.stdout.strip().splitlines()[-1]) == expect, text
+    # A count past what size_t holds was once converted to 0, which means "no budget".
+    r = run_python("import torch, superchip; torch.empty(0, device='superchip')",
+                   env={"SUPERCHIP_HBM_BYTES": "100000000000000000000"})
+    assert r.returncode != 0 and "more than 2^63 bytes" in r.stderr, r.stderr
 
 
 @contextlib.contextmanager
