@@ -142,6 +142,65 @@ def memory_reserved(device=None) -> int:
     return _C._memory_stats(_index(device))["hbm.reserved_bytes"]
 
 
+def mem_get_info(device=None) -> tuple:
+    """(free, total) bytes of ``hbm``: its budget and what it leaves free, or without a budget
+    the GPU's (emulated: the machine's) memory; as ``torch.cuda.mem_get_info``."""
+    return torch.accelerator.get_memory_info(_device_of(device))
+
+
+class _DeviceProperties:
+    """What ``get_device_properties`` gives: ``name``, ``total_memory`` (the ``hbm`` budget,
+    or the device's memory without one), ``host_memory`` (the ``host`` budget, 0 = none),
+    ``executor``; with the CUDA executor every attribute of the GPU's own properties too
+    (``major``, ``minor``, ``multi_processor_count``, ...)."""
+
+    def __init__(self, idx: int):
+        self.executor = _C._executor()
+        self._cuda = torch.cuda.get_device_properties(idx) if self.executor == "cuda" else None
+        stats = _C._memory_stats(idx)
+        self.total_memory = stats["hbm.capacity_bytes"] or mem_get_info(idx)[1]
+        self.host_memory = stats["host.capacity_bytes"]
+        self.name = get_device_name(idx)
+
+    def __getattr__(self, name: str):
+        cuda = self.__dict__.get("_cuda")
+        if cuda is not None:
+            return getattr(cuda, name)
+        raise AttributeError(f"superchip device properties have no {name!r} with the "
+                             f"{self.__dict__.get('executor')} executor")
+
+    def __repr__(self) -> str:
+        return (f"_SuperchipDeviceProperties(name={self.name!r}, executor={self.executor!r}, "
+                f"total_memory={self.total_memory >> 20}MB, host_memory={self.host_memory >> 20}MB)")
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    idx = _index(device)
+    return _DeviceProperties(current_device() if idx < 0 else idx)
+
+
+def get_device_name(device=None) -> str:
+    """"superchip (<GPU name>)" with the CUDA executor, "superchip (emulated, CPU executor)"."""
+    idx = _index(device)
+    idx = current_device() if idx < 0 else idx
+    if _C._executor() == "cuda":
+        return f"superchip ({torch.cuda.get_device_name(idx)})"
+    return "superchip (emulated, CPU executor)"
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A table of both tiers' statistics (``memory_stats``), one row per figure."""
+    stats = memory_stats(device)
+    names = sorted({k.split(".", 1)[1] for k in stats if k.startswith(("hbm.", "host."))})
+    rows = [f"{'superchip memory':<32}{'hbm':>20}{'host':>20}"]
+    for name in names:
+        if abbreviated and not name.endswith("bytes"):
+            continue
+        cells = [stats.get(f"{tier}.{name}") for tier in ("hbm", "host")]
+        rows.append(f"{name:<32}" + "".join(f"{'' if c is None else c:>20}" for c in cells))
+    return "\n".join(rows)
+
+
 def empty_cache() -> None:
     # As superchip.empty_cache: staged weight copies (and a deleted model's staging arena) too.
     _C._stream_release()

@@ -22,6 +22,35 @@ def test_device_module_registered():
     assert torch.superchip.current_device() == 0
 
 
+def test_device_queries_a_cuda_script_makes():
+    """mem_get_info, get_device_name, get_device_properties and memory_summary, as a script
+    written for torch.cuda calls them (through torch.get_device_module too)."""
+    mod = torch.get_device_module("superchip")
+    old = superchip.memory_stats()["hbm.capacity_bytes"]
+    try:
+        superchip.set_capacity("hbm", 64 << 20)
+        t = torch.empty(1 << 20, device="superchip")  # 4 MiB in hbm
+        free, total = mod.mem_get_info()
+        assert total == 64 << 20 and free <= total - (4 << 20)
+        assert mod.mem_get_info(0) == mod.mem_get_info("superchip:0")
+        props = mod.get_device_properties(0)
+        assert props.total_memory == 64 << 20 and props.executor == superchip.executor()
+        assert props.name == mod.get_device_name() and props.name.startswith("superchip (")
+        if superchip.executor() == "cuda":
+            assert props.major == torch.cuda.get_device_properties(0).major
+        else:
+            with pytest.raises(AttributeError, match="'major' with the cpu executor"):
+                props.major
+        summary = mod.memory_summary()
+        row = next(r for r in summary.splitlines() if r.startswith("allocated_bytes"))
+        assert int(row.split()[1]) == superchip.memory_stats()["hbm.allocated_bytes"]
+        del t
+    finally:
+        superchip.set_capacity("hbm", old)
+    with pytest.raises(ValueError, match="expected a superchip device"):
+        mod.mem_get_info("cpu")
+
+
 def test_torch_device_parsing():
     d = torch.device("superchip:0")
     assert d.type == "superchip" and d.index == 0
