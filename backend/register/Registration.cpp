@@ -8,6 +8,7 @@
 #include "backend/native/Attention.h"
 #include "backend/native/Forward.h"
 #include "backend/native/GroupNorm.h"
+#include "backend/native/Histc.h"
 #include "backend/native/Native.h"
 #include "backend/native/Rnn.h"
 #include "backend/register/Registration.h"
@@ -93,7 +94,10 @@ int register_executor_kernels() {
     // below, which would register the plain forwarding kernel for native_group_norm.
     lib->impl("native_group_norm", TORCH_FN(native::native_group_norm));
     lib->impl("native_group_norm_backward", TORCH_FN(native::native_group_norm_backward));
-    count += 2;
+    // Note [Integer histc]: CUDA's histc counts integers, CPU's does not.
+    lib->impl("histc", TORCH_FN(native::histc));
+    lib->impl("histc.out", TORCH_FN(native::histc_out));
+    count += 4;
   }
   if (native::flash_through_overrideable()) {
     // Note [Attention on superchip]: CUDA's flash kernel, which sdpa reaches from superchip

@@ -344,3 +344,81 @@ def test_quantized_tensors_are_refused_with_a_clear_error(make, clean_memory):
     # Quantizing on the cpu still works with superchip imported.
     q = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
     assert q.is_quantized and torch.equal(q.dequantize(), torch.round(x / 0.1).clamp(-128, 127) * 0.1)
+
+
+# ---- Note [Integer histc] ----
+
+def _histc_like_cuda(x: torch.Tensor, bins: int, lo, hi) -> torch.Tensor:
+    """CUDA's histc of an integer tensor, element by element in Python integers."""
+    info = torch.iinfo(x.dtype)
+    wrap = lambda v: (int(v) - info.min) % (info.max - info.min + 1) + info.min  # noqa: E731
+    mn, mx = wrap(int(lo)), wrap(int(hi))
+    vals = [int(v) for v in x.reshape(-1).tolist()]
+    if int(lo) == int(hi) and vals:
+        mn, mx = min(vals), max(vals)
+    if mn == mx:
+        mn, mx = wrap(mn - 1), wrap(mx + 1)
+    counts = [0] * bins
+    for v in vals:
+        if mn <= v <= mx:
+            counts[min(bins - 1, (v - mn) * bins // (mx - mn))] += 1
+    return torch.tensor(counts, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_integer_histc_counts_as_cuda_does(dtype):
+    """transformers' grouped_mm MoE (every HF MoE's default) counts tokens per expert with an
+    int32 histc off the CPU; CPU's kernel refuses integers ("histogram_cpu not implemented
+    for 'Int'"), CUDA's counts them. The emulated superchip gives CUDA's counts."""
+    if superchip.executor() == "cuda":
+        pytest.skip("CUDA's own histc runs with the CUDA executor")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 100, (7, 11), generator=g).to(dtype)
+    for bins, lo, hi in ((8, 0, 99), (5, 10, 60), (8, 0, 0), (3, 0.5, 40.7), (4, 7, 7), (100, 0, 99)):
+        got = torch.histc(x.to("superchip"), bins=bins, min=lo, max=hi)
+        assert got.device == DEVICE and got.dtype == dtype
+        assert torch.equal(got.cpu(), _histc_like_cuda(x, bins, lo, hi)), (bins, lo, hi)
+        out = torch.empty(0, dtype=dtype, device="superchip")
+        torch.histc(x.to("superchip"), bins=bins, min=lo, max=hi, out=out)
+        assert torch.equal(out.cpu(), got.cpu())
+    const = torch.full((5,), 3, dtype=dtype)
+    assert torch.equal(torch.histc(const.to("superchip"), bins=4).cpu(), _histc_like_cuda(const, 4, 0, 0))
+    empty = torch.empty(0, dtype=dtype, device="superchip")
+    if dtype == torch.uint8:  # [0 - 1, 0 + 1] wraps to [255, 1]: CUDA refuses it too
+        with pytest.raises(RuntimeError, match="max must be larger than min"):
+            torch.histc(empty, bins=3)
+    else:
+        assert torch.equal(torch.histc(empty, bins=3).cpu(), torch.zeros(3, dtype=dtype))
+    # Floating inputs still run CPU's kernel: its bits.
+    f = torch.randn(100, generator=g)
+    assert torch.equal(torch.histc(f.to("superchip"), bins=7, min=-1, max=1).cpu(), torch.histc(f, 7, -1, 1))
+    with pytest.raises(RuntimeError, match="bins must be > 0"):
+        torch.histc(x.to("superchip"), bins=0)
+
+
+def test_hf_moe_default_experts_train_like_cpu():
+    """A tiny Mixtral with transformers' default experts implementation (grouped_mm, which
+    calls an int32 histc on any device but "cpu" and "mps") trains on superchip with CPU's bits."""
+    transformers = pytest.importorskip("transformers")
+    if superchip.executor() == "cuda":
+        pytest.skip("compared with the CPU's bits: the emulated superchip's case")
+    import copy
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    ref = transformers.MixtralForCausalLM(cfg)
+    model = copy.deepcopy(ref).to("superchip")
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 8), generator=g)
+        loss_ref = ref(input_ids=x, labels=x).loss
+        loss_ref.backward(); o_ref.step(); o_ref.zero_grad()
+        loss = model(input_ids=x.to("superchip"), labels=x.to("superchip")).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        assert loss.item() == loss_ref.item()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b.cpu()), name
