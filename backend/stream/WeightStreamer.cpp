@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -41,7 +42,8 @@
 //    weight), or 16 of them in a row with no planned weight among them (a new model);
 //  - more than a quarter of the reads of a window (as many reads as the order has) were
 //    mispredicted, unless that window is an isolated event (Note [Nested periods]), at most
-//    three times in a row (after that it stops planning: "unplanned", copies at use).
+//    three times in a row (after that it stops planning: "unplanned", copies at use, until it
+//    records again: Note [Periods that vary]).
 // Budget: staging may use hbm's capacity minus the peak that everything else (stationary
 // weights, activations, gradients, optimizer state) reached during recording, minus 1/32 of
 // the capacity as a margin. The prefetch depth is the number of upcoming reads whose distinct
@@ -76,7 +78,39 @@
 //    shortest period again, and its plan is a fallback, which keeps going through bad
 //    windows (copies at use where the loop leaves it) until kFallbackBad come in a row,
 //    when min_period starts over.
-// min_period starts over for a new model too (a planned weight died, a new weight read).
+// min_period starts over for a new model too (a planned weight died, a new weight read three
+// periods in a row).
+//
+// Note [Periods that vary]
+// Found by review, with MoE models and LayerDrop (every result was bitwise equal to CPU; no
+// copy was staged ahead):
+//  - An inner loop that reads two weights in turn: transformers' eager MoE experts read each
+//    layer's experts as slices of two stacked weights (gate_up_proj[e], down_proj[e]), so a
+//    layer's reads alternate between two storages, a period of two. The plan was those two;
+//    the next layer's reads, 16 outside the order in a row, were taken for a new model, which
+//    also forgot min_period: a new plan every layer, forever (586 plans in 80 steps of a tiny
+//    Mixtral, 13,492 reads in place). Such a streak now counts as a failed plan that was part
+//    of the loop (outgrown()): min_period doubles, so the inner turns are outgrown in a few
+//    plans and the step becomes the period (a new model costs a longer first recording, a
+//    multiple of its period, still exact).
+//  - Reads that differ from step to step: top-1 routing skips the experts no token chose,
+//    LayerDrop skips blocks. No two stretches are equal, so no plan was ever made: recording
+//    until 2^20 reads (the trace's cost per read growing with it), then "unplanned" for good,
+//    every read in place. So a recording that has four times the proposed period's reads
+//    without an exact one (an exact period is found by then) takes a near one: the last
+//    stretch of as many reads as a pair's last recurrence proposes (at least 8, and
+//    min_period), if it predicts the two stretches before it with at most a quarter of their
+//    reads missed (the rule plans are kept by), a short skip ahead (at most an eighth of the
+//    stretch: a dropped block) costing nothing; the reads it lacks that both stretches have
+//    (a block it dropped) are put in where they came, so the order is the union of the steps.
+//    While following, a read that skips ahead within the prefetch window is no miss either:
+//    its copy is staged (it is still counted in `mispredictions`).
+//  - Planning that stops is not final: "unplanned" records again after kMaxTrace (2^18) reads,
+//    then twice as many each time (at most kMaxRetry), and the trace is capped at kMaxTrace.
+// Measured on the review's repros (4x the budget, SGD; second half of the steps): eager
+// stacked experts 1 plan by step 9, then 635 hits, 81 at use or in place; top-1 over 8
+// experts 714 / 105; LayerDrop 0.1 over 12 blocks 513 / 63 (test_weights_placement.py).
+// LayerDrop 0.3 with a window of one copy still fails the quarter rule and stops planning.
 //
 // Note [Inputs are not weights]
 // Weights are recognised by how they arrive (copied in whole from the CPU), and so is a float
@@ -160,7 +194,8 @@ namespace superchip {
 namespace {
 
 constexpr size_t kMinBytes = 4096;  // smaller weights are read in place
-constexpr size_t kMaxTrace = size_t{1} << 20;
+constexpr size_t kMaxTrace = size_t{1} << 18;      // Note [Periods that vary]
+constexpr size_t kMaxRetry = 16 * kMaxTrace;        // Note [Periods that vary]
 constexpr int kMaxReplansInRow = 3;
 constexpr size_t kHorizon = 8;                      // Note [Nested periods]
 constexpr int kFallbackBad = 8;                     // Note [Nested periods]
@@ -395,6 +430,10 @@ struct WeightStreamer::Impl {
   size_t windows = 0;         // judged windows of this plan
   size_t good_windows = 0;    // of those, with at most a quarter mispredicted
   int bad_windows = 0;        // judged windows in a row with more
+  // Note [Periods that vary].
+  size_t approx_next = 0;        // the trace length at which a near period is looked for next
+  size_t unplanned_reads = 0;    // reads since planning stopped
+  size_t unplanned_retry = kMaxTrace;  // reads after which it records again
   // A weight outside the order: the last period it was read in, and in how many in a row.
   struct Unknown {
     int64_t period;
@@ -443,6 +482,7 @@ struct WeightStreamer::Impl {
     trace_both.clear();
     trace_pairs.clear();
     rec_marks = marks;
+    approx_next = 0;
     young_streak = 0;
     unknown_streak = 0;
     arena.reset();  // freed when its last staged copy goes
@@ -581,11 +621,18 @@ struct WeightStreamer::Impl {
     return a;
   }
 
-  void make_plan(size_t from) {
+  // The plan of the period trace[from, end) (its reads, or `merged`: positions of the trace,
+  // Note [Periods that vary]).
+  void make_plan(size_t from, const std::vector<size_t>* merged = nullptr) {
     order.clear();
     pairs.clear();
     first.clear();
-    for (size_t i = from; i < trace.size(); ++i) {
+    std::vector<size_t> positions;
+    if (merged == nullptr) {
+      for (size_t i = from; i < trace.size(); ++i) positions.push_back(i);
+      merged = &positions;
+    }
+    for (size_t i : *merged) {
       auto w = weights.find(trace[i]);
       c10::weak_intrusive_ptr<c10::StorageImpl> weak =
           w != weights.end() ? w->second.weak : c10::weak_intrusive_ptr<c10::StorageImpl>(
@@ -716,6 +763,7 @@ struct WeightStreamer::Impl {
     depth = reach.empty() ? 0 : *std::min_element(reach.begin(), reach.end());
     version++;
     st.plans++;
+    unplanned_retry = kMaxTrace;
     period = 0;
     period_reads = 0;
     period_misses = 0;
@@ -768,6 +816,7 @@ struct WeightStreamer::Impl {
             return;
           }
         }
+        if (n >= approx_next && near_period(it->second, n)) return;
       }
     }
     trace.push_back(s);
@@ -776,13 +825,79 @@ struct WeightStreamer::Impl {
     trace_both.push_back(both_tiers_allocated());
     if (prev != nullptr) trace_pairs[PairKey(prev, s)].push_back(trace.size() - 1);
     if (trace.size() >= kMaxTrace) {
-      state = State::kUnplanned;
+      stop_planning();
       trace.clear();
       trace_bytes.clear();
       trace_hbm.clear();
       trace_both.clear();
       trace_pairs.clear();
     }
+  }
+
+  // Note [Periods that vary]: no stretch of the trace repeats, but the last one, of as many
+  // reads as this pair's last recurrence proposes (at least 8 and min_period), would have
+  // predicted the two before it with at most a quarter of their reads mispredicted. Its plan
+  // is that stretch with the reads it lacks (a layer it skipped) inserted where they came.
+  bool near_period(const std::vector<size_t>& positions, size_t n) {
+    const size_t least = std::max<size_t>(8, min_period);
+    size_t len = 0;
+    for (auto pos = positions.rbegin(); pos != positions.rend(); ++pos) {
+      if (n - *pos >= least) {
+        len = n - *pos;
+        break;
+      }
+    }
+    // Exact periods first: a stretch that repeats is found by the second pass after the one
+    // recording began in (whose first reads, a batch, can differ), a near one from the third.
+    if (len == 0 || 4 * len > n) return false;
+    approx_next = n + std::max<size_t>(8, len / 8);  // at most one look per eighth of a period
+    const size_t from = n - len;
+    std::unordered_map<const c10::StorageImpl*, std::vector<size_t>> at;  // -> offsets in it
+    for (size_t k = 0; k < len; ++k) at[trace[from + k]].push_back(k);
+    // Reads it lacks: (offset followed before, trace position); inserted when read in both
+    // stretches (a batch of the first pass recorded, read once, is not).
+    std::vector<std::pair<size_t, size_t>> lacked;
+    std::unordered_map<const c10::StorageImpl*, int> lacked_in;  // bit k: read in stretch k
+    constexpr size_t kNone = SIZE_MAX;
+    size_t cur = kNone;  // offset of the last read followed
+    size_t misses = 0;
+    for (size_t i = from - 2 * len; i < from; ++i) {
+      const c10::StorageImpl* r = trace[i];
+      auto f = at.find(r);
+      if (f == at.end()) {
+        misses++;
+        lacked_in[r] |= i < from - len ? 1 : 2;
+        if (cur != kNone) lacked.emplace_back(cur, i);
+        continue;
+      }
+      if (cur != kNone && trace[from + (cur + 1) % len] == r) {
+        cur = (cur + 1) % len;
+        continue;
+      }
+      const std::vector<size_t>& offsets = f->second;  // its next read after `cur`, cyclically
+      auto up = cur == kNone ? offsets.end() : std::upper_bound(offsets.begin(), offsets.end(), cur);
+      const size_t to = up != offsets.end() ? *up : offsets.front();
+      // A short skip ahead (a layer this stretch has and that one dropped) is no miss.
+      if (cur != kNone && (to + len - cur) % len > std::max<size_t>(2, len / 8)) misses++;
+      cur = to;
+    }
+    if (misses * 4 > 2 * len) return false;
+    std::vector<std::vector<size_t>> inserted(len);  // trace positions read after offset k
+    std::set<std::pair<size_t, const c10::StorageImpl*>> inserted_at;
+    for (const auto& [k, i] : lacked) {
+      auto w = weights.find(trace[i]);
+      if (lacked_in[trace[i]] != 3 || w == weights.end() || w->second.weak.expired()) continue;
+      if (inserted_at.emplace(k, trace[i]).second) inserted[k].push_back(i);
+    }
+    std::vector<size_t> merged;
+    for (size_t k = 0; k < len; ++k) {
+      merged.push_back(from + k);
+      merged.insert(merged.end(), inserted[k].begin(), inserted[k].end());
+    }
+    fallback_plan = false;
+    make_plan(from, &merged);
+    cursor = 0;  // order[0] is the read being recorded
+    return true;
   }
 
   // Judges the window of reads just followed (Note [Nested periods]). Returns false when the
@@ -811,19 +926,32 @@ struct WeightStreamer::Impl {
       if (m * 4 <= r) return true;  // the last kHorizon windows were followed well enough
       // A plan that predicted some windows well is part of the loop: a longer period has it all.
       // One wrong from its start is, if the next recording finds its order again.
-      if (good_windows > 0) min_period = std::min(kMaxMinPeriod, std::max(2 * min_period, 2 * order.size()));
-      std::vector<const c10::StorageImpl*> cycle;
-      cycle.reserve(order.size());
-      for (const Item& it : order) cycle.push_back(it.s);
-      failed_signature = cycle_signature(cycle.data(), cycle.size());
+      outgrown(good_windows > 0);
     }
     replan_or_give_up();
     return false;
   }
 
+  // The plan's order is a part of the loop (Note [Nested periods]): the next recording takes
+  // longer periods (`longer`), or those of another order than this one.
+  void outgrown(bool longer) {
+    if (longer) min_period = std::min(kMaxMinPeriod, std::max(2 * min_period, 2 * order.size()));
+    std::vector<const c10::StorageImpl*> cycle;
+    cycle.reserve(order.size());
+    for (const Item& it : order) cycle.push_back(it.s);
+    failed_signature = cycle_signature(cycle.data(), cycle.size());
+  }
+
+  // Note [Periods that vary]: no plan; reads are staged at use. Recording starts again after
+  // unplanned_retry reads.
+  void stop_planning() {
+    state = State::kUnplanned;
+    unplanned_reads = 0;
+  }
+
   void replan_or_give_up() {
     if (++replans_in_row > kMaxReplansInRow) {
-      state = State::kUnplanned;
+      stop_planning();
       order.clear();
       pairs.clear();
       first.clear();
@@ -862,17 +990,29 @@ struct WeightStreamer::Impl {
           u->second.run = period == u->second.period + 1 ? u->second.run + 1 : 1;
           u->second.period = period;
         }
-        if (u->second.run >= 3 || ++unknown_streak >= kYoungStreak) {
+        if (u->second.run >= 3) {
           replans_in_row = 0;
           forget_loop();
+          start_recording();
+          return false;
+        }
+        if (++unknown_streak >= kYoungStreak) {
+          // A new model, or the plan is one turn of an inner loop whose next turn reads other
+          // weights (an MoE layer's experts, read as slices of one stacked weight: the plan
+          // was one layer's pair): Note [Periods that vary].
+          replans_in_row = 0;
+          outgrown(true);
           start_recording();
           return false;
         }
         return true;
       }
       st.mispredictions++;
-      period_misses++;
       pos = p != pairs.end() ? p->second : f->second;
+      // Note [Periods that vary]: a read that skips ahead within the prefetch window (a layer
+      // dropped this step) finds its copy staged; it costs only the skipped copies.
+      const size_t ahead = (pos + n - cursor) % n;
+      if (ahead == 0 || cursor >= reach.size() || ahead > static_cast<size_t>(reach[cursor])) period_misses++;
     }
     if (pos <= cursor && !(pos == cursor && n == 1)) {
       // Wrapped: a period ended (a misprediction that jumps back ends one too).
@@ -1140,6 +1280,13 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
           if (!d.follow(prev, s)) d.record(nullptr, s, s->nbytes());
           break;
         case State::kUnplanned:
+          // Note [Periods that vary]: tried again, less often each time.
+          if (++d.unplanned_reads >= d.unplanned_retry) {
+            d.unplanned_retry = std::min(kMaxRetry, 2 * d.unplanned_retry);
+            d.replans_in_row = 0;
+            d.start_recording();
+            d.record(prev, s, s->nbytes());
+          }
           break;
       }
       d.release_outside_window();
