@@ -1219,3 +1219,43 @@ def test_a_step_whose_reads_vary_gets_a_plan_and_keeps_it(shape):
     assert r["state"] == "streaming" and v[-1] <= 8 and len(set(v[len(v) // 2:])) == 1, r
     # The second half of the steps: copies staged ahead of use, few at use or in place.
     assert st["hits"] >= 3 * (st["staged_at_use"] + st["in_place_reads"]), r
+
+
+def test_planning_that_stopped_starts_again():
+    # Note [Periods that vary]: reads in a new random order every pass stop the planning
+    # ("unplanned"); once passes read in one order, it used never to plan again (every read
+    # in place for good). It records again after 2^18 reads, and plans.
+    r = _run("""
+        import random
+        torch.manual_seed(0)
+        ws = [torch.randn(32, 32).to("superchip") for _ in range(64)]  # 4 KiB weights, 4x the budget
+        x = torch.randn(4, 32).to("superchip")
+        rng = random.Random(0)
+
+        def passes(n, shuffle):
+            order = list(ws)
+            with torch.no_grad():
+                for _ in range(n):
+                    if shuffle:
+                        rng.shuffle(order)
+                    for w in order:
+                        torch.mm(x, w)
+
+        shuffled = fixed = 0
+        while superchip.weights_plan()["state"] != "unplanned" and shuffled < 3000:
+            passes(100, True)
+            shuffled += 100
+        stopped = superchip.weights_plan()["state"]
+        while superchip.weights_plan()["state"] != "streaming" and fixed < 6000:
+            passes(100, False)
+            fixed += 100
+        superchip.reset_stream_stats()
+        passes(20, False)
+        print(json.dumps(dict(stopped=stopped, fixed=fixed, state=superchip.weights_plan()["state"],
+                              stats=superchip.stream_stats(),
+                              host=sum(superchip.tier_of(w) == "host" for w in ws))))
+    """, hbm="64K")
+    assert r["stopped"] == "unplanned", r
+    assert r["state"] == "streaming" and r["fixed"] <= (1 << 18) // 64 + 200, r
+    assert r["host"] >= 48 and r["stats"]["hits"] >= 20 * r["host"] * 0.9, r
+    assert r["stats"]["in_place_reads"] == 0, r
