@@ -50,6 +50,16 @@ def speculation_policy() -> str:
     return v
 
 
+# Note [Compiled autograd]
+# With compiled autograd (torch._dynamo.config.compiled_autograd, or compiled_autograd._enable)
+# Dynamo traces the backward's gradient hooks into the compiled backward. The engine's hook is
+# bookkeeping and calls into the worker: traced, its timing event became a stream op in the
+# graph (which crashed Inductor's C++ wrapper: Note [Why superchip patches Inductor], 7) and
+# its calls into the worker 43 graph breaks in a 3-layer MLP, 10 of 14 speculations rolled
+# back (found by review; every result was still bitwise equal). So the hook does nothing while
+# Dynamo traces: a compiled backward runs no speculation, and step() queues every bucket as
+# after a backward it did not see (the asynchronous step still overlaps the next forward).
+
 # Note [Speculation budget]
 # A speculative step costs the worker far more than the plain step: recording the undo log
 # (ops/cpu/AdamUndo.cpp) takes 2.4-3.4x the plain step's CPU time on one core (2-core Xeon
@@ -231,6 +241,9 @@ class Engine:
         ref = weakref.ref(self)
 
         def on_grad(p):
+            # Note [Compiled autograd]: a traced backward runs no speculation.
+            if torch.compiler.is_compiling():
+                return
             engine = ref()
             if engine is not None:
                 engine._on_grad(p)

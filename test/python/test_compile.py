@@ -458,3 +458,65 @@ print("WARN" if any("could not be registered" in str(x.message) and "torch 9.0 t
 """
     r = run_python(code, timeout=300)
     assert "raised" in r.stdout and "WARN" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_an_event_recorded_in_a_compiled_region():
+    # Note [Why superchip patches Inductor], 7: the event's call was written before the C++
+    # kernel the scheduler still held, after the frees of that kernel's inputs
+    # (UnboundLocalError in the generated wrapper).
+    torch._dynamo.reset()
+    start = torch.Event(device="superchip", enable_timing=True)
+    end = torch.Event(device="superchip", enable_timing=True)
+
+    def f(x, w):
+        h = x @ w
+        start.record()
+        y = F.gelu(h) * x
+        end.record()
+        return y.t().contiguous()
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    out = torch.compile(f)(x.to("superchip"), w.to("superchip"))
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0
+    assert torch.allclose(out.cpu(), (F.gelu(x @ w) * x).t().contiguous(), rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_compiled_autograd_with_the_offload_engine(policy):
+    # Note [Compiled autograd] (superchip/engine.py): the engine's gradient hook, traced into
+    # the compiled backward, crashed the second backward (auto: its timing event in the graph)
+    # or broke the graph 43 times (always). A traced backward runs no speculation; the steps
+    # are bitwise those of overlap=False, and the backward compiles without a graph break.
+    r = run_python(textwrap.dedent(f"""
+        import json, torch, superchip
+        from torch._dynamo.utils import counters
+
+        def run(overlap):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                        torch.nn.Linear(64, 64)).to("superchip")
+            opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                loss = model(torch.randn(8, 64, generator=g).to("superchip")).square().mean()
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend="inductor")):
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                opt.step()
+                opt.zero_grad()
+            torch.superchip.synchronize()
+            stats = opt.offload_stats() if overlap else {{}}
+            return [p.detach().cpu() for p in model.parameters()], sum(counters["graph_break"].values()), stats
+
+        plain, _, _ = run(False)
+        ours, breaks, stats = run(True)
+        print(json.dumps(dict(same=all(torch.equal(a, b) for a, b in zip(plain, ours)), breaks=breaks,
+                              steps=stats["steps"], speculated=stats["speculated_buckets"])))
+    """), env={"SUPERCHIP_SPECULATION": policy})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == dict(same=True, breaks=0, steps=3, speculated=0), out

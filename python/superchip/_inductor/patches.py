@@ -44,6 +44,14 @@ still compare the device type with a fixed list instead of asking the registrati
    made channels_last (a conv net under ``no_grad``) and at every channels_last conv net
    trained compiled (found by review). The two functions answer for superchip fake tensors as
    for the same fake tensors on the executor's device.
+7. The scheduler flushes the pending kernels of a device before an extern call only for a
+   node that has a device. Event and stream ops (``torch.ops.streams.record_event``, which a
+   compiled region's ``torch.Event.record()`` becomes, or compiled autograd tracing a gradient
+   hook that records one) have none, and the C++ backend holds its kernels until a flush: the
+   event's call was written first, then the frees of the kernel's inputs, then the kernel
+   (``UnboundLocalError: arg0_1``, found by review). For superchip graphs the scheduler now
+   flushes before such a call too. CUDA's and CPU's graphs are untouched (Triton kernels are
+   written at once, and the CPU has no events).
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -105,6 +113,7 @@ def apply() -> None:
     _patch_ir_is_cpu()
     _patch_rng_state_ops()
     _patch_conv_layout()
+    _patch_flush_before_deviceless_extern()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
@@ -130,6 +139,21 @@ def _patch_get_current_backend() -> None:
             raise RuntimeError(f"superchip: {name}.get_current_backend is not the one "
                                "superchip's patch expects; check superchip/_inductor/patches.py")
         module.get_current_backend = get_current_backend
+
+
+def _patch_flush_before_deviceless_extern() -> None:
+    from torch._inductor.scheduler import Scheduler
+
+    original = Scheduler.codegen_extern_call
+
+    def codegen_extern_call(self, scheduler_node) -> None:
+        current = self.current_device
+        if current is not None and current.type == "superchip" and scheduler_node.get_device() is None:
+            self.flush()
+        original(self, scheduler_node)
+
+    codegen_extern_call.__wrapped__ = original  # type: ignore[attr-defined]
+    Scheduler.codegen_extern_call = codegen_extern_call
 
 
 def _patch_is_cpu() -> None:
