@@ -136,7 +136,10 @@ class CppWrapperCodegen(_PythonWrapperCodegen):
     @staticmethod
     def create(*args, **kwargs):
         raise NotImplementedError(
-            "superchip: torch._inductor.config.cpp_wrapper (and AOTInductor) is not supported on "
-            "the superchip device; compile with the default Python wrapper "
-            "(torch._inductor.config.cpp_wrapper = False)."
+            "superchip: torch._inductor.config.cpp_wrapper and AOTInductor are not supported on "
+            "the superchip device. torch.compile: use the default Python wrapper "
+            "(torch._inductor.config.cpp_wrapper = False). AOTInductor "
+            "(aoti_compile_and_package): export and package the model on the device it will "
+            f"run on without superchip ('{superchip.executor()}': model.to('{superchip.executor()}') "
+            "before torch.export)."
         )
