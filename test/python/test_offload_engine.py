@@ -1879,3 +1879,42 @@ def test_the_link_model_is_measured_only_where_a_cast_is_placed():
         fp32, bf16 = out["torch.float32"], out["torch.bfloat16"]
         assert fp32["speculated"] > 0 and not fp32["measured"], out
         assert bf16["speculated"] > 0 and bf16["measured"] == (forced is None), out
+
+
+def test_parameters_without_a_gradient_this_step_keep_their_buckets():
+    # engine._plan: the buckets were rebuilt whenever the set of parameters with gradients
+    # changed, so a model whose blocks or experts go unused in some steps (LayerDrop here)
+    # had new buckets at every step, and each rebuild rolled back that backward's speculations
+    # (review: 20 rebuilds in 20 steps; 3 speculated, all rolled back). A parameter with no
+    # gradient keeps its bucket; results stay bitwise those of overlap=False, and each block's
+    # state counts the steps it had a gradient in.
+    import random
+
+    def run(overlap):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(12)).to("superchip")
+        opt = superchip.optim.AdamW(blocks.parameters(), lr=1e-3, overlap=overlap,
+                                    bucket_bytes=3 * 64 * 64 * 4)
+        rng, g = random.Random(0), torch.Generator().manual_seed(1)
+        steps_of = [0] * len(blocks)
+        for _ in range(20):
+            h = torch.randn(8, 64, generator=g).to("superchip")
+            for k, b in enumerate(blocks):
+                if rng.random() >= 0.3:
+                    h = h + torch.tanh(b(h))
+                    steps_of[k] += 1
+            h.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        return blocks, opt, steps_of
+
+    plain, plain_opt, steps_of = run(False)
+    ours, opt, _ = run(True)
+    for a, b in zip(plain.parameters(), ours.parameters()):
+        assert torch.equal(_bits(a), _bits(b))
+    for k, b in enumerate(ours):
+        assert opt.state[b.weight]["step"].item() == steps_of[k] == plain_opt.state[plain[k].weight]["step"].item()
+    s = opt.offload_stats()
+    assert s["steps"] == 20 and s["speculated_buckets"] >= 10, s
+    assert s["rolled_back_buckets"] <= 2, s
