@@ -180,7 +180,8 @@ def get_device_properties(device=None) -> _DeviceProperties:
 
 
 def get_device_name(device=None) -> str:
-    """"superchip (<GPU name>)" with the CUDA executor, "superchip (emulated, CPU executor)"."""
+    """The device's name: "superchip (<GPU name>)" with the CUDA executor, else
+    "superchip (emulated, CPU executor)"."""
     idx = _index(device)
     idx = current_device() if idx < 0 else idx
     if _C._executor() == "cuda":
