@@ -1133,18 +1133,22 @@ def test_a_loop_of_several_shapes_keeps_its_plan(shape):
     assert r["peak_hbm"] <= r["budget"], r
 
 
-@pytest.mark.parametrize("shape", ["stacked_experts", "top1_experts", "layer_drop"])
+@pytest.mark.parametrize("shape", ["stacked_experts", "routed_stacked_experts", "top1_experts", "layer_drop"])
 def test_a_step_whose_reads_vary_gets_a_plan_and_keeps_it(shape):
     # Note [Periods that vary] (stream/WeightStreamer.cpp), SGD, 4x the budget, bitwise equal
     # to CPU, hbm within its budget:
     #  - stacked_experts: each layer reads its experts as slices of two stacked weights, expert
     #    by expert (transformers' eager MoE experts). The first plan was one layer's two weights
     #    (they alternate: a period of two reads), the next layer's reads ended it as a new
-    #    model's, and so on: 40 plans in 10 steps, no hit. Now the period grows until it is the
-    #    step.
+    #    model's, and so on: 40 plans in 10 steps, no hit. Now one plan (Note [Rotating reads]).
     #  - top1_experts: top-1 routing over expert modules; an expert no token chose is not read,
     #    so no two steps read the same weights: never planned (0 hits in 100 steps).
     #  - layer_drop: each block skipped with probability 0.1: never planned either.
+    #  - routed_stacked_experts: transformers' eager MoE experts as they are, top-2 routing over
+    #    8 stacked experts, only the experts some token chose read: how many times the two
+    #    weights alternate varies by layer and step (and layer 1 reads the batch in each turn).
+    #    Note [Rotating reads]: the plan kept failing (20 plans in 20 steps, every read in
+    #    place); the reads of a rotation now count once.
     r = _run("""
         import copy, random
         import torch.nn as nn, torch.nn.functional as F
@@ -1161,6 +1165,24 @@ def test_a_step_whose_reads_vary_gets_a_plan_and_keeps_it(shape):
                 for e in range(self.w1.shape[0]):
                     out = out + F.linear(F.gelu(F.linear(x, self.w1[e])), self.w2[e])
                 return out
+
+        class Routed(nn.Module):  # transformers' MixtralExperts (eager), top-2 of 8
+            def __init__(self, E=8, FF=48):
+                super().__init__()
+                self.router = nn.Linear(H, E, bias=False)
+                self.gate_up = nn.Parameter(torch.randn(E, 2 * FF, H) * 0.05)
+                self.down = nn.Parameter(torch.randn(E, H, FF) * 0.05)
+            def forward(self, x, rng):
+                w, idx = torch.topk(F.softmax(self.router(x), -1), 2, dim=-1)
+                mask = F.one_hot(idx, self.gate_up.shape[0]).permute(2, 1, 0)  # expert, k, token
+                out = torch.zeros_like(x)
+                for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+                    e = e[0]
+                    k, tok = torch.where(mask[e])
+                    gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+                    h = F.linear(F.silu(gate) * up, self.down[e]) * w[tok, k, None]
+                    out = out.index_add(0, tok, h)
+                return x + out
 
         class Top1(nn.Module):  # an expert no token chose is not read
             def __init__(self, E=8, FF=128):
@@ -1184,7 +1206,8 @@ def test_a_step_whose_reads_vary_gets_a_plan_and_keeps_it(shape):
             def forward(self, x, rng):
                 return x if rng.random() < 0.1 else x + self.block(x)
 
-        layer, depth, steps = {"stacked_experts": (Stacked, 6, 20), "top1_experts": (Top1, 4, 16),
+        layer, depth, steps = {"stacked_experts": (Stacked, 6, 20), "routed_stacked_experts": (Routed, 6, 20),
+                               "top1_experts": (Top1, 4, 16),
                                "layer_drop": (Drop, 12, 30)}[shape]
         torch.manual_seed(0)
         ref = nn.Sequential(*[layer() for _ in range(depth)])
@@ -1212,11 +1235,14 @@ def test_a_step_whose_reads_vary_gets_a_plan_and_keeps_it(shape):
         print(json.dumps(dict(versions=versions, state=superchip.weights_plan()["state"], stats=st,
                               budget=budget, param_bytes=param_bytes(ref), same=same_params(ref, model),
                               peak=superchip.memory_stats()["hbm.peak_allocated_bytes"])))
-    """.replace("SHAPE", shape), hbm={"stacked_experts": "384K", "top1_experts": "520K", "layer_drop": "194K"}[shape])
+    """.replace("SHAPE", shape), hbm={"stacked_experts": "384K", "routed_stacked_experts": "384K", "top1_experts": "520K",
+                                         "layer_drop": "194K"}[shape])
     st, v = r["stats"], r["versions"]
     assert r["param_bytes"] >= 4 * r["budget"] and r["peak"] <= r["budget"], r
     assert r["same"], r
-    assert r["state"] == "streaming" and v[-1] <= 8 and len(set(v[len(v) // 2:])) == 1, r
+    assert r["state"] == "streaming" and len(set(v[len(v) // 2:])) == 1, r
+    # Note [Rotating reads]: experts read slice by slice are one plan from the start.
+    assert v[-1] <= (1 if "stacked" in shape else 8), r
     # The second half of the steps: copies staged ahead of use, few at use or in place.
     assert st["hits"] >= 3 * (st["staged_at_use"] + st["in_place_reads"]), r
 
