@@ -1673,7 +1673,7 @@ void WeightStreamer::reset_stats() {
 
 StreamPlan WeightStreamer::plan() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  const Impl& d = *impl_;
+  Impl& d = *impl_;
   StreamPlan p;
   p.state = !d.enabled ? "off" : d.active.load() ? state_name(d.state) : "idle";
   // Staged copies, unless the copies cannot be ordered with the current CUDA stream.
@@ -1689,7 +1689,7 @@ StreamPlan WeightStreamer::plan() {
   p.demoted = d.demoted;
   p.promoted = d.promoted;
   p.streamed_bytes = d.streamed_bytes;
-  p.hbm_capacity = d.plan_capacity;
+  p.hbm_capacity = d.order.empty() ? d.hbm_capacity() : d.plan_capacity;  // no plan: the budget now
   p.activation_peak_bytes = d.activation_peak;
   p.staging_budget = d.staging_budget;
   p.prefetch_depth = d.depth;

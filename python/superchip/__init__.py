@@ -179,7 +179,8 @@ def weights_plan(model: torch.nn.Module | None = None) -> dict:
     Keys: ``state`` ("off", "idle", "recording", "streaming", "unplanned"), ``mode`` ("stage":
     copied into hbm ahead of use; "in_place": kernels read host memory directly), ``version``
     (plans made so far), ``streamed_bytes`` (distinct bytes streamed per pass),
-    ``hbm_capacity`` (the budget planned for), ``activation_peak_bytes`` (what activations and
+    ``hbm_capacity`` (the budget planned for; the budget now while there is no plan; 0:
+    unlimited), ``activation_peak_bytes`` (what activations and
     gradients took, in both tiers, measured while recording), ``staging_budget`` (the staging
     arena reserved in hbm), ``prefetch_depth`` (upcoming reads kept
     staged from every read: the least; more where the copies are smaller), ``demoted`` and

@@ -213,6 +213,8 @@ def test_streaming_plan_tied_weights_writes_and_replanning():
     r = _run(textwrap.dedent(_STREAM) + textwrap.dedent("""
         ref = llama(tied=True)
         model = copy.deepcopy(ref).to("superchip")
+        # Before any plan: the budget there is (it read 0, "unlimited").
+        cap0 = superchip.weights_plan()["hbm_capacity"]
         o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
         o = torch.optim.SGD(model.parameters(), lr=0.1)
         same = train(ref, o_ref, 4) == train(model, o, 4)
@@ -254,8 +256,9 @@ def test_streaming_plan_tied_weights_writes_and_replanning():
                               state=plan["state"], logits=logits, staged_then=st0["staging_bytes"], invalidated=st1["invalidated"] - st0["invalidated"],
                               eval_hits=st1["hits"] - st0["hits"], v_before=v_before, v_after=v_after,
                               off=off, same_off=same_off, peak=s["hbm.peak_allocated_bytes"],
-                              cap=s["hbm.capacity_bytes"])))
+                              cap=s["hbm.capacity_bytes"], cap0=cap0, plan_cap=plan["hbm_capacity"])))
     """), hbm="640K")
+    assert r["cap0"] == r["plan_cap"] == 640 << 10, r
     assert r["state"] == "streaming" and r["same"], r
     # The tied matrix is one storage: every read of it names both parameters, and the plan
     # counts its bytes once (streamed_bytes is exactly the host weights' bytes).
