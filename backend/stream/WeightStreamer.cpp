@@ -407,13 +407,12 @@ struct WeightStreamer::Impl {
   State state = State::kIdle;
   const c10::StorageImpl* last = nullptr;
   // Note [Rotating reads]: the last reads of the order (the last is `last`), and whether each
-  // was read twice in a row; the rotation being read (its length, 0: none, and the offset in
-  // it of the read expected next); the weight read last, rotations included.
+  // was read twice in a row; the length of the rotation being read (its last reads of the
+  // order; 0: none); the weight read last, rotations included.
   std::array<const c10::StorageImpl*, kMaxRotation> read_ring{};
   std::array<bool, kMaxRotation> recent_twice{};
   size_t recent_n = 0;
   size_t rotation = 0;
-  size_t rotation_next = 0;
   const c10::StorageImpl* actual = nullptr;
 
   void forget_reads() {
@@ -841,10 +840,7 @@ struct WeightStreamer::Impl {
   bool rotates(const c10::StorageImpl* s) {
     if (rotation > 0) {
       for (size_t j = 0; j < rotation; ++j) {
-        if (read_ring[recent_n - rotation + j] == s) {
-          rotation_next = (j + 1) % rotation;
-          return true;
-        }
+        if (read_ring[recent_n - rotation + j] == s) return true;
       }
       rotation = 0;
       return false;
@@ -858,7 +854,6 @@ struct WeightStreamer::Impl {
         }
       }
       rotation = k;
-      rotation_next = 1;
       // The copies of the rotation's reads before the last are kept where the last is read.
       if (state == State::kRecording) {
         if (!trace_keeps.empty() && trace.back() == last) {
