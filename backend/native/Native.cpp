@@ -75,6 +75,24 @@ bool fills_storage(const at::Tensor& t) {
          static_cast<size_t>(t.numel()) * t.element_size() == t.storage().nbytes();
 }
 
+// Note [Quantized weights]
+// A weight's bytes: floating point, or one-byte integers, the data of a quantized weight
+// (torchao's int8 weight-only and NF4 tensors keep int8 / uint8 data beside float scales).
+// Token ids, labels and masks (int64, int32, bool) are never taken for weights. Before, a
+// quantized base moved to the device put its int8 data in host, never streamed (read in
+// place by every pass, found by review). A tensor subclass (a wrapper such as NF4Tensor)
+// has no bytes of its own: its inner tensors are the weights (superchip/__init__.py
+// registers them); registering the wrapper copied from its null data (a segfault, when
+// hbm was past its weights limit).
+bool weight_dtype(const at::Tensor& t) {
+  const c10::ScalarType d = t.scalar_type();
+  return t.is_floating_point() || d == c10::ScalarType::Char || d == c10::ScalarType::Byte;
+}
+
+bool python_subclass(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+}
+
 }  // namespace
 
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
@@ -208,16 +226,18 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   // weights are not weights. Only a cast is known to be a model's (of_model): a same-dtype copy
   // may be a pass's scratch copy of a weight, which must stay young (Note [Inputs are not
   // weights]).
+  // Not an integer weight's cast: a quantized weight's per-pass dequantization (Note
+  // [Quantized weights]), which would start the recording over at every pass.
   const bool copy_of_weight =
-      is_superchip(self) && is_superchip(dst) && fills_storage(self) && fills_storage(dst) &&
+      is_superchip(self) && is_superchip(dst) && self.is_floating_point() && fills_storage(self) && fills_storage(dst) &&
       !in_autocast_region() && WeightStreamer::get().is_weight(self.storage().unsafeGetStorageImpl());
   const bool cast_of_weight = copy_of_weight && self.scalar_type() != dst.scalar_type();
   if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || copy_of_weight)) {
     // Note [Batches while streaming]: not moved to host while a live plan is followed.
     const bool batch = !is_superchip(self) && WeightStreamer::get().following_live_plan();
     if (!batch) place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
-    // Floating-point, so integer batches (token ids, labels) are never taken for weights.
-    if (dst.is_floating_point()) {
+    // Not integer batches (token ids, labels): Note [Quantized weights].
+    if (weight_dtype(dst)) {
       WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl(), /*of_model=*/cast_of_weight);
     }
   }
@@ -247,11 +267,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 }
 
 void register_weight(const at::Tensor& t, bool place) {
-  if (!is_superchip(t) || !t.is_floating_point() || t.layout() != c10::kStrided || !t.has_storage() ||
-      !fills_storage(t)) {
-    return;
+  if (!is_superchip(t) || !weight_dtype(t) || t.layout() != c10::kStrided || python_subclass(t) ||
+      !t.has_storage() || !fills_storage(t)) {
+    return;  // Note [Quantized weights]
   }
   c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  if (storage.data() == nullptr) return;
   if (WeightStreamer::get().is_weight(&storage)) return;
   if (place) place_registered_weight(storage);
   WeightStreamer::get().mark_weight(storage, /*of_model=*/true);
@@ -272,6 +293,8 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
 
 bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
   if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
+  // A tensor subclass (torchao's NF4Tensor) answers as on CPU: Module._apply swaps those.
+  if (python_subclass(self) || python_subclass(from)) return false;
   auto dense = [](const at::Tensor& t) {
     const c10::DeviceType d = t.device().type();
     return t.layout() == c10::kStrided && !t.is_quantized() && !t.is_nested() &&

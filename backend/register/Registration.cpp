@@ -180,6 +180,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("record_stream", TORCH_FN(record_stream));
 }
 
+// Before the Python key: a tensor subclass on superchip (torchao's NF4Tensor) was asked this
+// by Module.to("superchip") and raised NotImplementedError (CPU's composite kernel runs at
+// the autograd key, which our backend kernel displaces).
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(superchip::native::has_compatible_shallow_copy_type));
+}
+
 // Cross-device copies of conjugate / negative views resolve the bit inside the copy itself
 // (the executor's copy_ does); materialising first would recurse back into _copy_from.
 TORCH_LIBRARY_IMPL(aten, Conjugate, m) {

@@ -262,8 +262,24 @@ def _register_parameter(module, name, param) -> None:
     if torch.compiler.is_compiling():
         return None  # Note [Hooks under torch.compile]
     if param is not None and param.device.type == "superchip":
-        _C._register_weight(param, place=True)
+        for t in _weight_tensors(param):
+            _C._register_weight(t, place=True)
     return None
+
+
+def _weight_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    # A tensor subclass (torchao's NF4Tensor, int8 weight-only) has no bytes of its own: its
+    # inner tensors are the weight (Note [Quantized weights] in backend/native/Native.cpp).
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = []
+    for name in t.__tensor_flatten__()[0]:
+        v = getattr(t, name)
+        if isinstance(v, torch.Tensor):
+            inner += _weight_tensors(v)
+    return inner
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_register_parameter)
@@ -290,7 +306,8 @@ def _mark_stepped_parameters(optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.device.type == "superchip":
-                _C._register_weight(p, place=False)
+                for t in _weight_tensors(p):
+                    _C._register_weight(t, place=False)
     return None
 
 # Note [Hooks under torch.compile]

@@ -1288,3 +1288,68 @@ def test_planning_that_stopped_starts_again():
     assert r["state"] == "streaming" and r["fixed"] <= (1 << 18) // 64 + 200, r
     assert r["host"] >= 48 and r["stats"]["hits"] >= 20 * r["host"] * 0.9, r
     assert r["stats"]["in_place_reads"] == 0, r
+
+
+def test_quantized_base_weights_are_placed_and_streamed():
+    # Note [Quantized weights] (native/Native.cpp), found by review with torchao, results
+    # equal to CPU throughout:
+    #  - int8 weight-only, quantized on CPU, then .to("superchip"): the int8 data was never
+    #    taken for weights, so the 3/4 in host were read in place by every pass, never planned;
+    #  - Module.to("superchip") of an NF4 weight raised NotImplementedError
+    #    (_has_compatible_shallow_copy_type);
+    #  - an NF4 parameter assigned to a module on the device while hbm is past its weights
+    #    limit (QLoRA's to_nf4 after .to): a segfault, placement copying from the wrapper's
+    #    null data.
+    pytest.importorskip("torchao")
+    r = _run("""
+        import copy
+        from torchao.quantization import quantize_, Int8WeightOnlyConfig
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor as nf4
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        m = llama().to(torch.bfloat16).eval()
+        quantize_(m.model.layers, Int8WeightOnlyConfig())
+        ms = copy.deepcopy(m).to("superchip")
+        def inner(t):
+            return [getattr(t, n) for n in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+        q = [x for mod in ms.model.layers.modules() if isinstance(mod, torch.nn.Linear) for x in inner(mod.weight)]
+        int8_host = sum(x.nbytes for x in q if x.dtype == torch.int8 and superchip.tier_of(x) == "host")
+        weight_bytes = sum(x.nbytes for t in m.parameters() for x in inner(t))
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ref = m(x).logits
+            same = []
+            for i in range(6):
+                if i == 3:
+                    superchip.reset_stream_stats()
+                same.append(torch.equal(ms(x.to("superchip")).logits.cpu(), ref))
+        st, plan = superchip.stream_stats(), superchip.weights_plan()
+
+        # NF4, quantized on CPU, moved as a module; then one quantized on the device and
+        # assigned while hbm is full.
+        torch.manual_seed(1)
+        lin = torch.nn.Linear(256, 256, bias=False, dtype=torch.bfloat16)
+        lin.weight = torch.nn.Parameter(nf4.to_nf4(lin.weight.detach()), requires_grad=False)
+        xx = torch.randn(4, 256, dtype=torch.bfloat16)
+        want = lin(xx)
+        lin.to("superchip")
+        nf4_moved = type(lin.weight).__name__ == "NF4Tensor" and torch.equal(lin(xx.to("superchip")).cpu(), want)
+        lin2 = torch.nn.Linear(256, 256, bias=False, dtype=torch.bfloat16).to("superchip")
+        free = budget - superchip.memory_stats()["hbm.allocated_bytes"]
+        filler = torch.empty(max(free - (16 << 10), 0), dtype=torch.uint8, device="superchip")
+        w_cpu = lin2.weight.detach().cpu()
+        lin2.weight = torch.nn.Parameter(nf4.to_nf4(lin2.weight.detach()), requires_grad=False)
+        assigned = torch.equal(lin2(xx.to("superchip")).cpu(),
+                               torch.nn.functional.linear(xx, nf4.to_nf4(w_cpu).get_original_weight()))
+        nf4_tiers = sorted({superchip.tier_of(t) for t in inner(lin2.weight)})
+        print(json.dumps(dict(same=same, int8_host=int8_host, weight_bytes=weight_bytes, budget=budget,
+                              state=plan["state"], streamed=sum(o["streamed"] for o in plan["order"]),
+                              stats=st, peak=superchip.memory_stats()["hbm.peak_allocated_bytes"],
+                              nf4_moved=nf4_moved, assigned=assigned, nf4_tiers=nf4_tiers)))
+    """, hbm="256K")
+    st = r["stats"]
+    assert all(r["same"]) and r["weight_bytes"] >= 2 * r["budget"] and r["int8_host"] > 0, r
+    assert r["state"] == "streaming" and r["streamed"] > 0, r
+    assert st["hits"] >= 10 * (st["staged_at_use"] + st["in_place_reads"]) and st["plans"] == 0, r
+    assert r["peak"] <= r["budget"], r
+    assert r["nf4_moved"] and r["assigned"], r
+    assert "host" in r["nf4_tiers"], r
