@@ -235,7 +235,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (is_superchip(dst) && fills_storage(dst) && (!is_superchip(self) || copy_of_weight)) {
     // Note [Batches while streaming]: not moved to host while a live plan is followed.
     const bool batch = !is_superchip(self) && WeightStreamer::get().following_live_plan();
-    if (!batch) place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
+    // Placing gives dst new, unwritten bytes: never while they are the source too (a weight
+    // copied onto itself, as FSDP2's set_state_dict does with a state dict of the parameters
+    // themselves: hbm past its limit, the weight came back as garbage, found by review).
+    const bool onto_itself = is_superchip(self) && self.storage().unsafeGetStorageImpl() ==
+                                                       dst.storage().unsafeGetStorageImpl();
+    if (!batch && !onto_itself) place_incoming_weights(*dst.storage().unsafeGetStorageImpl());
     // Not integer batches (token ids, labels): Note [Quantized weights].
     if (weight_dtype(dst)) {
       WeightStreamer::get().mark_weight(*dst.storage().unsafeGetStorageImpl(), /*of_model=*/cast_of_weight);

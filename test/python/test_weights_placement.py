@@ -1353,3 +1353,24 @@ def test_quantized_base_weights_are_placed_and_streamed():
     assert r["peak"] <= r["budget"], r
     assert r["nf4_moved"] and r["assigned"], r
     assert "host" in r["nf4_tiers"], r
+
+
+def test_a_weight_copied_onto_itself_past_the_limit_keeps_its_values():
+    # FSDP2's set_state_dict after dcp.load loads a state dict of the parameters themselves:
+    # each copied onto itself. With hbm past its weights limit (the optimizer state loaded
+    # first), placement moved the weight to host with new bytes before the copy read them:
+    # garbage (1e31, NaN losses), found by review. A copy onto itself does not place.
+    r = _run("""
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).to("superchip")
+        want = {k: v.cpu() for k, v in m.state_dict().items()}
+        budget = superchip.memory_stats()["hbm.capacity_bytes"]
+        filler = torch.empty(budget - superchip.memory_stats()["hbm.allocated_bytes"] - (64 << 10),
+                             dtype=torch.uint8, device="superchip")
+        with torch.no_grad():
+            m[0].weight.copy_(m[0].weight.detach())
+        m.load_state_dict(m.state_dict())
+        print(json.dumps(dict(same=all(torch.equal(v.cpu(), want[k]) for k, v in m.state_dict().items()),
+                              past=superchip.memory_stats()["hbm.allocated_bytes"] > 0.8 * budget)))
+    """, hbm="1M")
+    assert r["past"] and r["same"], r
