@@ -428,6 +428,16 @@ def _register() -> None:
         dist.Backend._plugins = {BACKEND: dist.Backend._plugins["SCCL"], **dist.Backend._plugins}
     if not getattr(c10d.BackendConfig.__init__, "_superchip_wrapped", False):
         c10d.BackendConfig.__init__ = _default_to_sccl(c10d.BackendConfig.__init__)
+    if dist.is_initialized() and "superchip" not in str(dist.get_backend_config()):
+        # Found by review: the collectives of such a group fail with torch's "No backend type
+        # associated with device type superchip", which names neither cause.
+        import warnings
+
+        warnings.warn(f"superchip was imported after torch.distributed.init_process_group(): "
+                      f"the default group ({dist.get_backend_config()}) has no backend for superchip "
+                      f"tensors, and their collectives will fail. Import superchip before "
+                      f"init_process_group(), or create the group with backend='{DEFAULT_BACKEND}'.",
+                      stacklevel=3)
 
 
 def is_sccl_group(group=None) -> bool:

@@ -90,6 +90,22 @@ def test_ddp_engine_on_three_ranks(tmp_path_factory):
 
 # ---- single process ----
 
+def test_importing_superchip_after_init_process_group_warns(tmp_path):
+    # Found by review: a group made before the import has no backend for superchip tensors;
+    # their collectives failed with torch's "No backend type associated with device type
+    # superchip", which names neither cause nor remedy.
+    code = f'''
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+import superchip
+print("OK")
+'''
+    r = run_python(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    assert "imported after torch.distributed.init_process_group()" in r.stderr, r.stderr[-3000:]
+    assert "cpu:gloo,superchip:sccl" in r.stderr, r.stderr[-3000:]
+
+
 def test_backend_registered():
     assert "sccl" in dist.Backend.backend_list
     assert dist.Backend.default_device_backend_map["superchip"] == "sccl"
