@@ -1373,16 +1373,18 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     // Every weight's reads make the order (stationary ones too: the plan may demote them);
     // only those in host are staged.
     const bool host = d.in_host(s);
+    // A batch (Note [Inputs are not weights]) neither ends a rotation nor is remembered: read
+    // inside an inner loop (an MoE layer's experts reading the model's input), it would hide
+    // the rotation.
+    const bool batch = d.state != State::kIdle && w->second.marked > d.rec_marks;
     if (s == d.actual) {
       // Read again at once: counts once.
       if (s == d.last && d.rotation == 0 && d.recent_n > 0) d.recent_twice[d.recent_n - 1] = true;
-    } else if (d.actual = s; d.rotates(s)) {
+    } else if (d.actual = s; !batch && d.rotates(s)) {
       // Note [Rotating reads]: not a read of the order.
     } else {
       const c10::StorageImpl* prev = d.last;
-      // A batch (Note [Inputs are not weights]) is not remembered: read inside an inner loop
-      // (an MoE layer's experts reading the model's input), it would hide the rotation.
-      if (d.state == State::kIdle || w->second.marked <= d.rec_marks) d.remember(s);
+      if (!batch) d.remember(s);
       switch (d.state) {
         case State::kIdle:
           d.start_recording();
