@@ -20,6 +20,7 @@
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 #include "backend/runtime/SuperchipGenerator.h"
+#include "backend/runtime/WriteWatch.h"
 #include "backend/stream/WeightStreamer.h"
 
 namespace superchip {
@@ -350,6 +351,7 @@ class ForwardedCall {
     if (t.is_sparse()) return alias_sparse(t, mutated);
     if (is_compressed(t)) return alias_compressed(t, mutated);
     at::Tensor a = aliases_.alias(t, mutated ? Access::kWrite : rows ? Access::kReadRows : Access::kRead);
+    if (mutated) note_write(t.storage().unsafeGetStorageImpl());  // backend/runtime/WriteWatch.h
     for (AliasPair& p : pairs_) {
       if (p.alias.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) {
         p.mutated |= mutated;

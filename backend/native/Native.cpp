@@ -19,6 +19,7 @@
 #include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
+#include "backend/runtime/WriteWatch.h"
 #include "backend/stream/WeightStreamer.h"
 
 namespace superchip::native {
@@ -254,6 +255,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   at::Tensor src_x =
       is_superchip(self) ? aliases.alias(self, read_in_place ? Access::kCopySource : Access::kRead) : self;
   at::Tensor dst_x = is_superchip(dst) ? aliases.alias(dst, Access::kWrite) : dst;
+  if (is_superchip(dst)) note_write(dst.storage().unsafeGetStorageImpl());  // runtime/WriteWatch.h
   const bool crosses_link = executor() == Executor::kCuda && src_x.device() != dst_x.device();
   if (crosses_link && src_x.scalar_type() != dst_x.scalar_type()) {
     // Cast-then-move, fixed rule until the link-cost model lands: the narrower dtype is the

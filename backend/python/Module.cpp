@@ -22,6 +22,7 @@
 #include "backend/runtime/SuperchipGenerator.h"
 #include "backend/runtime/SuperchipGuard.h"
 #include "backend/runtime/StorageLease.h"
+#include "backend/runtime/WriteWatch.h"
 #include "backend/stream/WeightStreamer.h"
 
 namespace py = pybind11;
@@ -180,6 +181,17 @@ PYBIND11_MODULE(_C, m) {
                 state.sizes(), " vs ", values.sizes(), ").");
     copy_through_aliases(state, values);
   }, py::arg("state"), py::arg("values"));
+  // Writes a tensor's version counter does not show (through .data): runtime/WriteWatch.h.
+  m.def("_watch_writes", [](const at::Tensor& t) {
+    if (t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage()) {
+      watch_writes(*t.storage().unsafeGetStorageImpl());
+    }
+  }, py::arg("tensor"));
+  m.def("_take_written", [](const at::Tensor& t) {
+    return t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage() &&
+           take_written(*t.storage().unsafeGetStorageImpl());
+  }, py::arg("tensor"));
+  m.def("_watched_storage_count", &watched_storage_count);
   m.def("_stream_triad_inplace", [](at::Tensor& a, const at::Tensor& b, double s) {
     for (const at::Tensor* t : {static_cast<const at::Tensor*>(&a), &b}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&

@@ -202,10 +202,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # element by element, and the elements that differ take the written values (a write to a
     # few elements keeps the others' low bits). An exact resume (parameter and master from the
     # same checkpoint) compares equal and keeps the master. These are the optimizer's own
-    # operators: a user's TorchDispatchMode does not see them. Writes through .data, which has
-    # a version counter of its own, are seen only when they replace the storage. FSDP2's
-    # sharded parameters are checked shard by shard (set_model_state_dict after some steps was
-    # undone by the next step: found by review).
+    # operators: a user's TorchDispatchMode does not see them. A write through .data (a tensor
+    # with a version counter of its own: WGAN's p.data.clamp_, a zeroed padding row) moves no
+    # version the optimizer can read, so superchip's operators note writes to the parameter's
+    # storage (backend/runtime/WriteWatch.h); before, the next step silently undid them (found
+    # by review). Kernels of a compiled graph that write a parameter through .data are not
+    # noted. FSDP2's sharded parameters are checked shard by shard (set_model_state_dict after
+    # some steps was undone by the next step: found by review).
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
@@ -218,7 +221,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 local, local_master = _dist.local_shard(p), _dist.local_shard(master)
             # A write to a DTensor counts in its own version (its shard's is below autograd).
             key = (p._version, local._version, local.data_ptr())
-            if seen.get(p) != key:
+            moved = seen.get(p) != key
+            if moved:
+                _C._watch_writes(local)
+            if _C._take_written(local) or moved:
                 # Element by element: a write to some elements (a pruning mask, clamp_, a
                 # zeroed row, Embedding(max_norm=)) keeps the low bits of all the others.
                 # Compared on the parameter's device (a model moved to the CPU mid-run).

@@ -761,3 +761,79 @@ def test_a_write_to_a_low_precision_parameter_becomes_its_master(overlap):
     for x in xs[4:]:
         step(x)
     assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(want, model.parameters()))
+
+
+def _edit_through_data(p, how):
+    if how == "clamp":
+        p.data.clamp_(-0.01, 0.01)  # WGAN's weight clipping
+    elif how == "row":
+        p.data[0].zero_()  # a padding row kept at zero
+    else:
+        p.data.copy_(torch.full(p.shape, 0.25, dtype=p.dtype))  # from the CPU
+
+
+def _edit_visibly(p, how):
+    with torch.no_grad():
+        if how == "clamp":
+            p.clamp_(-0.01, 0.01)
+        elif how == "row":
+            p[0].zero_()
+        else:
+            p.copy_(torch.full(p.shape, 0.25, dtype=p.dtype))
+
+
+@pytest.mark.parametrize("how", ["clamp", "row", "copy"])
+@pytest.mark.parametrize("when", ["after_step", "before_step"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_write_through_data_to_a_low_precision_parameter_becomes_its_master(monkeypatch, overlap, when, how):
+    # Note [A written parameter is its master's new value] (optim.py): p.data is a tensor with
+    # a version counter of its own, so a write through it was not seen, and the next step
+    # wrote round(master) back over it (found by review: WGAN's p.data.clamp_ on a bf16 critic
+    # undone at every step, mean |w| back to its old value). It must now do exactly what the
+    # same write under no_grad does (seen through the version), also while the engine
+    # speculates, between backward() and step().
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "always")
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g).bfloat16() for _ in range(5)]
+
+    def run(edit):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).bfloat16().to("superchip")
+        opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap)
+        for x in xs:
+            model(x.to("superchip")).float().square().mean().backward()
+            if when == "before_step":
+                edit(model[0].weight, how)
+            opt.step()
+            if when == "after_step":
+                edit(model[0].weight, how)
+            opt.zero_grad()
+        torch.superchip.synchronize()
+        return [p.detach().cpu() for p in model.parameters()], opt.state[model[0].weight]["master_param"].cpu()
+
+    want, want_master = run(_edit_visibly)
+    got, got_master = run(_edit_through_data)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert torch.equal(want_master, got_master)
+    if how == "clamp":
+        # The clipping stands (before a step: one AdamW step, about lr, from it), where before
+        # the weights went back to their old values (|w| up to 0.12).
+        clip = torch.tensor(0.01, dtype=torch.bfloat16).item()
+        assert got[0].abs().max().item() <= (clip if when == "after_step" else clip + 2e-3)
+
+
+def test_writes_the_version_shows_need_no_watch_and_a_step_notes_none():
+    # The optimizer's own writes (the bf16 copy of the master) are not taken for a user's
+    # write: after steps with no edit, the next step finds nothing noted (no compare pass).
+    model = torch.nn.Linear(32, 32).bfloat16().to("superchip")
+    opt = superchip.optim.AdamW(model.parameters(), lr=1e-3, overlap=False)
+    x = torch.randn(4, 32).bfloat16().to("superchip")
+    for _ in range(3):
+        model(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert superchip._C._watched_storage_count() >= 2
+    assert not any(superchip._C._take_written(p) for p in model.parameters())
+    model.weight.data.mul_(2)
+    assert superchip._C._take_written(model.weight) and not superchip._C._take_written(model.bias)
+
