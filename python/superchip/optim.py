@@ -139,6 +139,23 @@ def _all_superchip(params, explicit: str | None) -> bool:
     return True
 
 
+def _refuse_duplicates(cls: str, index: int, params: list) -> None:
+    """A group that lists a parameter twice is refused. torch.optim only warns ("in future,
+    this will cause an error") and steps such a parameter once per listing, with bias
+    corrections that differ between its fused, foreach and for-loop kernels; the offload
+    engine steps each parameter once. So no behaviour of ours could match torch's: found by
+    review, where the engine stepped a duplicated parameter once and overlap=False twice."""
+    first = {}
+    for i, p in enumerate(params):
+        j = first.setdefault(id(p), i)
+        if j != i and isinstance(p, torch.Tensor):
+            raise ValueError(
+                f"superchip.optim.{cls}: parameter group {index} lists one parameter (shape "
+                f"{tuple(p.shape)}) twice, at positions {j} and {i}. torch.optim warns that this "
+                f"will become an error, and steps it once per listing; list each parameter once "
+                f"(a tied weight is one parameter: model.parameters() lists it once).")
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared state handling: fp32 state in the host tier, torch-compatible state dicts."""
 
@@ -379,10 +396,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         engine = getattr(self, "_engine", None)
         stop = False
-        if engine is not None and engine.overlap:
-            params = param_group["params"]
+        params = param_group["params"]
+        if not isinstance(params, set):  # torch's own check refuses a set
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group = dict(param_group, params=params)
+            _refuse_duplicates(type(self).__name__, len(self.param_groups), params)
+        if engine is not None and engine.overlap:
             # Checked before the group is added, so an error changes nothing.
             stop = not _all_superchip(params, "overlap=True" if self._overlap_explicit else None)
         super().add_param_group(param_group)

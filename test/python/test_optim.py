@@ -837,3 +837,22 @@ def test_writes_the_version_shows_need_no_watch_and_a_step_notes_none():
     model.weight.data.mul_(2)
     assert superchip._C._take_written(model.weight) and not superchip._C._take_written(model.bias)
 
+
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_a_parameter_listed_twice_is_refused(cls):
+    # Found by review: with SGD([p, p]) the engine stepped p once and overlap=False twice
+    # (torch.optim twice, with a warning that this will become an error). Refused, naming the
+    # group and the positions; a refused add_param_group leaves the optimizer as it was.
+    a = torch.nn.Parameter(torch.ones(3, device="superchip"))
+    b = torch.nn.Parameter(torch.ones(2, device="superchip"))
+    make = getattr(superchip.optim, cls)
+    with pytest.raises(ValueError, match=r"parameter group 0 lists one parameter \(shape \(3,\)\) twice, at positions 0 and 2"):
+        make([a, b, a], lr=0.1)
+    opt = make([a], lr=0.1)
+    with pytest.raises(ValueError, match="parameter group 1 .* twice, at positions 0 and 1"):
+        opt.add_param_group({"params": [b, b]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": iter([b])})  # a generator is taken as torch takes it
+    assert opt.param_groups[1]["params"] == [b]
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": [a]})
