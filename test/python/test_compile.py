@@ -480,7 +480,11 @@ def test_an_event_recorded_in_a_compiled_region():
     out = torch.compile(f)(x.to("superchip"), w.to("superchip"))
     end.synchronize()
     assert start.elapsed_time(end) >= 0
-    assert torch.allclose(out.cpu(), (F.gelu(x @ w) * x).t().contiguous(), rtol=RTOL, atol=1e-6)
+    # Against the same function compiled for the CPU, bit for bit: Inductor's vectorized erf
+    # differs from eager's by more than RTOL on an AVX-512 machine (1.5e-6 absolute; the
+    # eager comparison failed CI there), and is the same on both devices.
+    plain = torch.compile(lambda x, w: (F.gelu(x @ w) * x).t().contiguous())(x, w)
+    assert torch.equal(out.cpu(), plain)
 
 
 @pytest.mark.parametrize("policy", ["auto", "always"])
