@@ -82,6 +82,18 @@ from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 
+# Note [Hub kernels]
+# transformers (5.x, with the `kernels` package it requires) "kernelizes" every model that
+# from_pretrained loads, for the device the model is on, unless USE_HUB_KERNELS says no; the
+# `kernels` package accepts a fixed list of device types and raised "Unsupported device type
+# 'superchip'", so from_pretrained(..., device_map="superchip") failed (found by review).
+# Hub kernels would bypass superchip's forwarding anyway, so they default to off in a process
+# that imports superchip; USE_HUB_KERNELS=YES set by the user still turns them on (for models
+# on other devices).
+import os as _os  # noqa: E402
+
+_os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
 __all__ = [
     "memory_stats",
     "tier_of",

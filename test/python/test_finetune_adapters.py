@@ -101,3 +101,22 @@ def test_nf4_base_with_lora_adapter_like_cpu():
     want, got = run("cpu"), run(DEVICE)
     for g, e in zip(got, want):
         assert_matches_cpu(g, e)
+
+
+@pytest.mark.parametrize("how", ["device_map", "then_to"])
+def test_from_pretrained_onto_superchip_like_cpu(tmp_path, how):
+    # Note [Hub kernels] (superchip/__init__.py): transformers kernelizes what from_pretrained
+    # loads for the model's device, and the `kernels` package it requires raised "Unsupported
+    # device type 'superchip'" (found by review): the README's device_map="superchip" failed.
+    _base_llama().save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    if how == "device_map":
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map=DEVICE)
+    else:
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(DEVICE)
+    assert all(p.device.type == "superchip" for p in model.parameters())
+    want = ref(input_ids=ids, labels=ids)
+    got = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE))
+    assert_matches_cpu(got.logits.detach().cpu(), want.logits.detach())
+    assert_matches_cpu(got.loss.detach().cpu(), want.loss.detach())
