@@ -594,8 +594,20 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
   TORCH_CHECK(storage.resizable(), "Trying to resize a superchip storage that is not resizable.");
   const c10::DeviceIndex device = storage.device().index();
   const Tier tier = storage_tier(storage);
-  // An hbm storage may grow into host when hbm is full (Note [Placement]); host stays host.
-  c10::DataPtr fresh = tier == Tier::kHbm ? allocate_placed(nbytes, device) : allocate_in_tier(nbytes, tier, device);
+  // An hbm storage may grow into host when hbm is full (Note [Placement]); a host storage stays
+  // in host while host has room, and then goes where any allocation would: only both tiers
+  // full is an error (a host tensor's resize_ raised host's out-of-memory error with hbm
+  // free: found by review).
+  c10::DataPtr fresh;
+  if (tier == Tier::kHbm) {
+    fresh = allocate_placed(nbytes, device);
+  } else {
+    try {
+      fresh = allocate_in_tier(nbytes, tier, device);
+    } catch (const c10::OutOfMemoryError&) {
+      fresh = allocate_placed(nbytes, device);
+    }
+  }
   const size_t keep = std::min(nbytes, storage.nbytes());
   if (storage.data() != nullptr) copy_between_blocks(device, fresh.get(), storage.data(), keep);
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));

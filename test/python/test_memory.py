@@ -297,6 +297,29 @@ def test_full_hbm_spills_to_host(hbm_capacity):
     del a, b
 
 
+def test_a_host_tensor_resized_past_host_goes_to_hbm(hbm_capacity, host_capacity):
+    # Note [Placement]: only both tiers full is an error; resize_ of a host tensor raised host's
+    # out-of-memory error while hbm had room (found by review).
+    superchip.set_capacity("host", stats()["host.allocated_bytes"] + 2 * MiB)
+    t = torch.arange(MiB // 4, dtype=torch.float32, device=DEVICE)  # 1 MiB
+    superchip.move_to_tier(t, "host")
+    view = t[:10]
+    t.resize_(MiB)  # 4 MiB, host has 1 MiB left
+    assert superchip.tier_of(t) == "hbm"
+    assert torch.equal(t[:MiB // 4].cpu(), torch.arange(MiB // 4, dtype=torch.float32))
+    assert torch.equal(view.cpu(), torch.arange(10, dtype=torch.float32))
+    u = torch.zeros(1024, device=DEVICE)
+    superchip.move_to_tier(u, "host")
+    u.resize_(2048)  # host has room: it stays there
+    assert superchip.tier_of(u) == "host" and u[:1024].abs().sum().item() == 0
+    superchip.set_capacity("hbm", stats()["hbm.allocated_bytes"] + MiB)
+    before = (t.shape, superchip.tier_of(u))
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory in both tiers"):
+        u.untyped_storage().resize_(8 * MiB)
+    assert (t.shape, superchip.tier_of(u), u.untyped_storage().nbytes()) == before + (2048 * 4,)
+    del t, view, u
+
+
 def test_oom_error_message_state_and_recovery(hbm_capacity, host_capacity):
     used = stats()["hbm.allocated_bytes"]
     capacity = used + 8 * MiB
