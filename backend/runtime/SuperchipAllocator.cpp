@@ -599,15 +599,8 @@ void resize_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
   // full is an error (a host tensor's resize_ raised host's out-of-memory error with hbm
   // free: found by review).
   c10::DataPtr fresh;
-  if (tier == Tier::kHbm) {
-    fresh = allocate_placed(nbytes, device);
-  } else {
-    try {
-      fresh = allocate_in_tier(nbytes, tier, device);
-    } catch (const c10::OutOfMemoryError&) {
-      fresh = allocate_placed(nbytes, device);
-    }
-  }
+  void* host = tier == Tier::kHost ? memory(device).try_allocate(nbytes, Tier::kHost) : nullptr;
+  fresh = host != nullptr ? block_data_ptr(host, device) : allocate_placed(nbytes, device);
   const size_t keep = std::min(nbytes, storage.nbytes());
   if (storage.data() != nullptr) copy_between_blocks(device, fresh.get(), storage.data(), keep);
   c10::DataPtr old = storage.set_data_ptr(std::move(fresh));
@@ -690,7 +683,12 @@ size_t pending_stream_frees() {
 }
 
 c10::CachingDeviceAllocator::DeviceStats SuperchipAllocator::getDeviceStats(c10::DeviceIndex device) {
-  return to_device_stats(memory(resolve_device(device)).stats(Tier::kHbm));
+  const MemoryManager& m = memory(resolve_device(device));
+  c10::CachingDeviceAllocator::DeviceStats s = to_device_stats(m.stats(Tier::kHbm));
+  // An allocation that fails in both tiers (or in host, where it was asked for) is the
+  // device's out-of-memory error too: torch.cuda counts every one (found by review: 0 here).
+  s.num_ooms += m.stats(Tier::kHost).num_ooms;
+  return s;
 }
 
 void SuperchipAllocator::resetAccumulatedStats(c10::DeviceIndex device) {

@@ -304,8 +304,10 @@ def test_a_host_tensor_resized_past_host_goes_to_hbm(hbm_capacity, host_capacity
     t = torch.arange(MiB // 4, dtype=torch.float32, device=DEVICE)  # 1 MiB
     superchip.move_to_tier(t, "host")
     view = t[:10]
+    ooms = stats()["host.num_ooms"], torch.accelerator.memory_stats()["num_ooms"]
     t.resize_(MiB)  # 4 MiB, host has 1 MiB left
     assert superchip.tier_of(t) == "hbm"
+    assert (stats()["host.num_ooms"], torch.accelerator.memory_stats()["num_ooms"]) == ooms  # no error
     assert torch.equal(t[:MiB // 4].cpu(), torch.arange(MiB // 4, dtype=torch.float32))
     assert torch.equal(view.cpu(), torch.arange(10, dtype=torch.float32))
     u = torch.zeros(1024, device=DEVICE)
@@ -316,6 +318,8 @@ def test_a_host_tensor_resized_past_host_goes_to_hbm(hbm_capacity, host_capacity
     before = (t.shape, superchip.tier_of(u))
     with pytest.raises(torch.OutOfMemoryError, match="out of memory in both tiers"):
         u.untyped_storage().resize_(8 * MiB)
+    # The device's error, as torch.cuda counts it (it read 0: only host counted it).
+    assert torch.accelerator.memory_stats()["num_ooms"] == ooms[1] + 1
     assert (t.shape, superchip.tier_of(u), u.untyped_storage().nbytes()) == before + (2048 * 4,)
     del t, view, u
 
