@@ -59,13 +59,23 @@ def _state_tensor(p: torch.Tensor, values: torch.Tensor | None = None, tier: str
         return _dist.state_like(p, _state_tensor(p.to_local(), local, tier))
     if p.device.type == "superchip":
         try:
-            t = _C._fp32_in_tier(p.detach(), tier, False)
-        except torch.OutOfMemoryError:
-            if tier != "hbm":
-                raise
-            # A tail bucket's state where hbm has no room left: host (the executor's kernel
-            # reads it there too, pinned and mapped), instead of failing the step.
-            t = _C._fp32_in_tier(p.detach(), "host", False)
+            try:
+                t = _C._fp32_in_tier(p.detach(), tier, False)
+            except torch.OutOfMemoryError:
+                if tier != "hbm":
+                    raise
+                # A tail bucket's state where hbm has no room left: host (the executor's kernel
+                # reads it there too, pinned and mapped), instead of failing the step.
+                t = _C._fp32_in_tier(p.detach(), "host", False)
+        except torch.OutOfMemoryError as e:
+            # The allocator's message names the tier, not why the optimizer wanted host memory
+            # while hbm may have room (found by review).
+            raise torch.OutOfMemoryError(
+                f"superchip.optim: no room for a parameter's fp32 optimizer state (shape "
+                f"{tuple(p.shape)}, {4 * p.numel()} bytes per state tensor): superchip.optim keeps "
+                f"master weights and moments in the host tier. Raise the host budget "
+                f"(superchip.set_capacity('host', nbytes) or SUPERCHIP_HOST_BYTES), or use a "
+                f"torch.optim optimizer, whose state stays beside the parameters. {e}") from None
         if values is not None:
             # The backend's copy, not copy_: optimizer state is no weight to place or stream.
             _C._copy_into_state(t, values.detach().reshape(p.shape))
