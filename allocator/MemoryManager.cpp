@@ -123,19 +123,32 @@ Tier MemoryManager::account_external_placed(size_t nbytes) {
 }
 
 void MemoryManager::throw_both_full(size_t nbytes, const OutOfTierMemory& host_error) const {
+  // Each tier's state once, then one piece of advice (it read as two errors joined, the
+  // request twice, and budgets only by environment variables: found by review).
   const TierStats h = impl_->hbm.stats();
-  const std::string hbm_part =
-      "hbm: capacity " +
-      (h.capacity_bytes == 0 ? std::string("unlimited") : format_bytes(size_t(h.capacity_bytes))) +
+  const TierStats o = impl_->host.stats();
+  const std::string hbm_state =
+      "capacity " + (h.capacity_bytes == 0 ? std::string("unlimited") : format_bytes(size_t(h.capacity_bytes))) +
       ", " + format_bytes(size_t(h.allocated_bytes)) + " allocated by tensors, " +
       format_bytes(size_t(h.reserved_bytes - h.allocated_bytes)) + " cached";
+  const auto fits = [nbytes](const TierStats& t) { return t.capacity_bytes == 0 || nbytes <= size_t(t.capacity_bytes); };
+  const char* budgets =
+      "superchip.set_capacity(\"hbm\" or \"host\", nbytes), or SUPERCHIP_HBM_BYTES / SUPERCHIP_HOST_BYTES "
+      "before the process starts";
+  std::string advice;
+  if (host_error.system()) {
+    advice = host_error.advice();  // where the machine ran out, a larger budget would not help
+  } else if (!fits(h) && !fits(o)) {
+    advice = std::string("Neither tier's budget could hold it even with nothing else in it: raise a budget (") +
+             budgets + "), or allocate less.";
+  } else {
+    advice = std::string("Free tensors, call superchip.empty_cache(), or raise a budget (") + budgets + ").";
+  }
   throw OutOfTierMemory("superchip: out of memory in both tiers of superchip:" +
                             std::to_string(impl_->config.device_index) + ": tried to allocate " +
-                            format_bytes(nbytes) + "; " + hbm_part + "; and " + host_error.what() +
-                            // Where the machine ran out, its own advice stands: a larger
-                            // budget would not help.
-                            (host_error.system() ? "" : " Raise SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES."),
-                        Tier::kHost, nbytes, host_error.system());
+                            format_bytes(nbytes) + "; hbm: " + hbm_state + "; host: " + host_error.state() +
+                            ". " + advice,
+                        Tier::kHost, nbytes, host_error.system(), host_error.state(), advice);
 }
 
 bool MemoryManager::host_placeable(size_t nbytes) const noexcept {

@@ -49,18 +49,26 @@ struct TierStats {
 // says what the user can do. The manager's state is unchanged by a failed request.
 class OutOfTierMemory : public std::runtime_error {
  public:
-  OutOfTierMemory(const std::string& what, Tier tier, size_t requested, bool system = false)
-      : std::runtime_error(what), tier_(tier), requested_(requested), system_(system) {}
+  OutOfTierMemory(const std::string& what, Tier tier, size_t requested, bool system = false,
+                  std::string state = {}, std::string advice = {})
+      : std::runtime_error(what), tier_(tier), requested_(requested), system_(system),
+        state_(std::move(state)), advice_(std::move(advice)) {}
   Tier tier() const noexcept { return tier_; }
   size_t requested() const noexcept { return requested_; }
   // True when the memory itself ran out (cudaMalloc, the machine's memory) before the budget:
   // raising the budget would not help.
   bool system() const noexcept { return system_; }
+  // The parts of what(): the tier's state ("capacity ..., ... cached[; why the memory ran
+  // out]") and the advice, for a message that names two tiers once each.
+  const std::string& state() const noexcept { return state_; }
+  const std::string& advice() const noexcept { return advice_; }
 
  private:
   Tier tier_;
   size_t requested_;
   bool system_;
+  std::string state_;
+  std::string advice_;
 };
 
 struct MemoryConfig {

@@ -182,34 +182,38 @@ void TierAllocator::throw_oom(size_t requested, bool backing_exhausted, const st
   stats_.num_ooms++;
   const bool hbm = tier_ == Tier::kHbm;
   const int64_t cached = stats_.reserved_bytes - stats_.allocated_bytes;
-  std::string msg = std::string("superchip: out of memory in tier '") + tier_name(tier_) +
-                    "' of superchip:" + std::to_string(device_index_) + ": tried to allocate " +
-                    format_bytes(requested) + " (capacity " +
-                    (stats_.capacity_bytes == 0 ? std::string("unlimited")
-                                                : format_bytes(size_t(stats_.capacity_bytes))) +
-                    ", " + format_bytes(size_t(stats_.allocated_bytes)) +
-                    " allocated by tensors, " + format_bytes(size_t(cached)) + " cached";
+  std::string state = "capacity " +
+                      (stats_.capacity_bytes == 0 ? std::string("unlimited")
+                                                  : format_bytes(size_t(stats_.capacity_bytes))) +
+                      ", " + format_bytes(size_t(stats_.allocated_bytes)) + " allocated by tensors, " +
+                      format_bytes(size_t(cached)) + " cached";
+  std::string advice;
   if (backing_exhausted) {
     // The budget was not the limit, so raising it would not help.
     if (shortage.empty()) {
-      msg += std::string("; ") + backing_->name() + " has no more free memory). Free tensors";
-      if (hbm) msg += ", or move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
-      msg += ".";
+      state += std::string("; ") + backing_->name() + " has no more free memory";
+      advice = "Free tensors";
+      if (hbm) advice += ", or move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
+      advice += ".";
     } else {
       // The machine's memory (Note [The machine's memory] in Backing.cpp).
-      msg += "; " + shortage + "). Free tensors";
-      if (hbm) msg += ", move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
-      msg += ", stop other processes using this machine's memory, or run where the process has "
-             "more memory (a larger memory cgroup limit); SUPERCHIP_HOST_MEMORY_CHECK=0 turns "
-             "this check off (memory past it is taken from swap, or the kernel kills the "
-             "process).";
+      state += "; " + shortage;
+      advice = "Free tensors";
+      if (hbm) advice += ", move tensors to the host tier with superchip.move_to_tier(t, \"host\")";
+      advice += ", stop other processes using this machine's memory, or run where the process has "
+                "more memory (a larger memory cgroup limit); SUPERCHIP_HOST_MEMORY_CHECK=0 turns "
+                "this check off (memory past it is taken from swap, or the kernel kills the "
+                "process).";
     }
   } else {
-    msg += "). Free tensors, call superchip.empty_cache(), ";
-    if (hbm) msg += "move tensors to the host tier with superchip.move_to_tier(t, \"host\"), ";
-    msg += std::string("or raise ") + (hbm ? "SUPERCHIP_HBM_BYTES." : "SUPERCHIP_HOST_BYTES.");
+    advice = "Free tensors, call superchip.empty_cache(), ";
+    if (hbm) advice += "move tensors to the host tier with superchip.move_to_tier(t, \"host\"), ";
+    advice += std::string("or raise ") + (hbm ? "SUPERCHIP_HBM_BYTES." : "SUPERCHIP_HOST_BYTES.");
   }
-  throw OutOfTierMemory(msg, tier_, requested, backing_exhausted);
+  const std::string msg = std::string("superchip: out of memory in tier '") + tier_name(tier_) +
+                          "' of superchip:" + std::to_string(device_index_) + ": tried to allocate " +
+                          format_bytes(requested) + " (" + state + "). " + advice;
+  throw OutOfTierMemory(msg, tier_, requested, backing_exhausted, std::move(state), std::move(advice));
 }
 
 void TierAllocator::release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept {

@@ -155,7 +155,7 @@ def test_both_tiers_full_names_both_and_changes_nothing():
     msg = r["msg"]
     assert msg is not None and "out of memory in both tiers of superchip:0" in msg, r
     assert "tried to allocate 64.00 MiB" in msg and "hbm: capacity 4.00 MiB" in msg, r
-    assert "tier 'host'" in msg and "capacity 16.00 MiB" in msg, r
+    assert "; host: capacity 16.00 MiB" in msg, r
     assert r["unchanged"], r
 
 

@@ -624,12 +624,22 @@ TEST(Placement, BothTiersFullNamesBothAndChangesNothing) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("out of memory in both tiers of superchip:0: tried to allocate 2.00 MiB"), std::string::npos) << msg;
     EXPECT_NE(msg.find("hbm: capacity 4.00 MiB, 3.00 MiB allocated by tensors"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("tier 'host'"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("SUPERCHIP_HBM_BYTES or SUPERCHIP_HOST_BYTES"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("; host: capacity 4.00 MiB, 3.00 MiB allocated by tensors"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Free tensors, call superchip.empty_cache(), or raise a budget (superchip.set_capacity("),
+              std::string::npos) << msg;
+    EXPECT_EQ(msg.find("out of memory"), msg.rfind("out of memory")) << msg;  // one error, not two joined
+  }
+  try {
+    m.allocate_placed(5 * kMiB);  // more than either budget
+    FAIL() << "no error";
+  } catch (const OutOfTierMemory& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("Neither tier's budget could hold it even with nothing else in it"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("empty_cache"), std::string::npos) << msg;
   }
   EXPECT_EQ(m.stats(Tier::kHbm).allocated_bytes, hbm.allocated_bytes);
   EXPECT_EQ(m.stats(Tier::kHost).allocated_bytes, host.allocated_bytes);
-  EXPECT_EQ(m.stats(Tier::kHost).num_ooms, host.num_ooms + 1);
+  EXPECT_EQ(m.stats(Tier::kHost).num_ooms, host.num_ooms + 2);
   EXPECT_THROW(m.account_external_placed(2 * kMiB), OutOfTierMemory);
   EXPECT_EQ(m.account_external_placed(512 * kKiB), Tier::kHbm);
   EXPECT_EQ(m.account_external_placed(1 * kMiB), Tier::kHost);
