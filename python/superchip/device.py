@@ -138,6 +138,19 @@ def reset_peak_memory_stats(device=None) -> None:
     _C._reset_peak_memory_stats(_index(device))
 
 
+def reset_max_memory_allocated(device=None) -> None:
+    """As ``torch.cuda.reset_max_memory_allocated``: resets every peak (reset_peak_memory_stats)."""
+    reset_peak_memory_stats(device)
+
+
+reset_max_memory_cached = reset_max_memory_allocated
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """As ``torch.cuda.reset_accumulated_memory_stats``: allocation and free counts, errors."""
+    torch.accelerator.reset_accumulated_memory_stats(_device_of(device))
+
+
 def memory_reserved(device=None) -> int:
     return _C._memory_stats(_index(device))["hbm.reserved_bytes"]
 

@@ -41,6 +41,14 @@ def test_device_queries_a_cuda_script_makes():
         else:
             with pytest.raises(AttributeError, match="'major' with the cpu executor"):
                 props.major
+        # The peak and counter resets a torch.cuda script calls (found missing by review).
+        u = torch.empty(4 << 20, dtype=torch.uint8, device="superchip")
+        del u
+        assert mod.max_memory_allocated() >= mod.memory_allocated() + (4 << 20)
+        mod.reset_max_memory_allocated()
+        assert mod.max_memory_allocated() == mod.memory_allocated()
+        mod.reset_accumulated_memory_stats()
+        assert torch.accelerator.memory_stats()["num_ooms"] == 0
         summary = mod.memory_summary()
         row = next(r for r in summary.splitlines() if r.startswith("allocated_bytes"))
         assert int(row.split()[1]) == superchip.memory_stats()["hbm.allocated_bytes"]
