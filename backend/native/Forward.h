@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "backend/stream/WeightStreamer.h"
+
 namespace superchip {
 
 // How an executor kernel uses an operand. kWrite materializes a copy-on-write storage
@@ -40,6 +42,8 @@ class AliasSet {
   at::Tensor alias(const at::Tensor& t, Access access);
 
  private:
+  // First member: counted while any alias lives (Note [One thread runs the operators]).
+  WeightStreamer::OperatorScope scope_;
   struct Shared {
     c10::StorageImpl* superchip;  // not owned: the executor storage's DataPtr holds a reference
     c10::Storage executor;

@@ -697,6 +697,7 @@ void run_windowed(Bound<WindowOperand, Arrays, Hyper>& b, const Kernel& kernel) 
 
 void fused_adam_step(const std::vector<AdamPart>& parts) {
   const HiddenFromPythonModes hidden;
+  const WeightStreamer::OperatorScope in_operator;  // Note [One thread runs the operators]
   auto bound = bind_adam<WindowOperand>(parts);
   const ops::SimdPath path = ops::active_simd_path();
   run_windowed(bound, [&](const ops::AdamHyper& h, const ops::AdamArrays& a) { ops::adam_step(h, a, path, nullptr); });
@@ -745,6 +746,7 @@ void fused_adam_undo(AdamStaging& staging, const AdamUndoLogs& log) {
 
 void fused_sgd_step(const std::vector<SgdPart>& parts) {
   const HiddenFromPythonModes hidden;
+  const WeightStreamer::OperatorScope in_operator;  // Note [One thread runs the operators]
   auto bound = bind_sgd<WindowOperand>(parts);
   const ops::SimdPath path = ops::active_simd_path();
   run_windowed(bound, [&](const ops::SgdHyper& h, const ops::SgdArrays& a) { ops::sgd_step(h, a, path, nullptr); });
@@ -803,6 +805,7 @@ class Prepared final : public PreparedStep {
     TORCH_CHECK(!ran_, "superchip.optim: internal error: a prepared step ran twice");
     ran_ = true;
     const HiddenFromPythonModes hidden;
+    const WeightStreamer::OperatorScope in_operator;  // Note [One thread runs the operators]
 #ifdef SUPERCHIP_HAVE_OPS_CUDA
     const ExecutorDeviceScope scope(executor() == Executor::kCuda ? first_device(parts_) : -1);
 #endif

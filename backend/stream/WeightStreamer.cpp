@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -200,6 +201,20 @@
 // copies, by the bytes asked for, where the copies' bytes left an arena's unused room counted
 // as use; the allocator's rounding of those blocks still counts as use). An
 // arena hbm cannot hold when the plan is made is taken at the period's position of least use.
+//
+// Note [One thread runs the operators]
+// The plan is one per process and moves weights between tiers (demotions, promotions) from
+// whichever thread reaches a module call, with the weights' bytes copied and their old blocks
+// freed; a kernel or fused step of another thread running at that moment writes to the old
+// bytes (found by review: two threads each training its own model at 4x the budget ended,
+// in a few runs in a hundred, one Adam step off, also with overlap=False). Superchip's
+// operators and fused steps count the threads inside them (OperatorScope; the engine's worker
+// is not counted: tier moves already wait for its jobs). A second thread inside one while
+// another is turns streaming off for the process (weights stay where they are, host ones
+// read in place: correct, slower), once, with a message; superchip.set_streaming(True) turns
+// it back on at the user's risk. A thread that only reads parameters while training runs
+// (p.cpu() from a logger) counts too. A second thread that starts after a plan was made can
+// meet one move before its first operator is counted.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
@@ -1490,6 +1505,36 @@ void WeightStreamer::note_written(const c10::StorageImpl* s) noexcept {
     impl_->st.staging_bytes -= static_cast<int64_t>(it->second->nbytes);
   }
   impl_->staged.erase(it);
+}
+
+namespace {
+std::atomic<int> g_threads_in_operators{0};
+std::atomic<bool> g_concurrent_operators{false};
+thread_local int t_operator_depth = 0;
+}  // namespace
+
+WeightStreamer::OperatorScope::OperatorScope() noexcept {
+  if (t_operator_depth++ > 0 || OffloadEngine::on_worker()) return;
+  counted_ = true;
+  if (g_threads_in_operators.fetch_add(1, std::memory_order_acq_rel) == 0) return;
+  if (g_concurrent_operators.exchange(true, std::memory_order_acq_rel)) return;
+  WeightStreamer& streamer = WeightStreamer::get();
+  if (!streamer.enabled()) return;
+  std::fprintf(stderr,
+               "superchip: two threads ran superchip operators at the same time; weight streaming "
+               "is turned off for this process (weights stay in their tiers, host ones are read in "
+               "place: results unchanged, slower). Weight streaming moves weights between tiers for "
+               "one thread's operators at a time (Note [One thread runs the operators]).\n");
+  try {
+    streamer.set_enabled(false);
+  } catch (...) {
+    // Only its mutex can throw (std::system_error): streaming then stays on, as before.
+  }
+}
+
+WeightStreamer::OperatorScope::~OperatorScope() {
+  --t_operator_depth;
+  if (counted_) g_threads_in_operators.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 void WeightStreamer::set_enabled(bool enabled) {

@@ -135,6 +135,21 @@ class WeightStreamer {
 
   // SUPERCHIP_STREAM=0 starts disabled. Disabling drops every staged copy and the plan.
   void set_enabled(bool enabled);
+
+  // Held by every superchip operator (the forwarding layer's AliasSet) and fused optimizer
+  // step for as long as it addresses superchip bytes. When a second thread (not the engine's
+  // worker) enters one while another thread is inside one, streaming turns itself off for
+  // the process, with a warning (Note [One thread runs the operators] in WeightStreamer.cpp).
+  class OperatorScope {
+   public:
+    OperatorScope() noexcept;
+    ~OperatorScope();
+    OperatorScope(const OperatorScope&) = delete;
+    OperatorScope& operator=(const OperatorScope&) = delete;
+
+   private:
+    bool counted_ = false;
+  };
   bool enabled() const noexcept;
   // Applies what the plan decided but an operator could not do: demotes the stationary weights
   // it chose to stream (so the staging arena fits), promotes the streamed weights hbm has room

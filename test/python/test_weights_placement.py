@@ -1374,3 +1374,44 @@ def test_a_weight_copied_onto_itself_past_the_limit_keeps_its_values():
                               past=superchip.memory_stats()["hbm.allocated_bytes"] > 0.8 * budget)))
     """, hbm="1M")
     assert r["past"] and r["same"], r
+
+
+def test_operators_of_two_threads_at_once_turn_streaming_off():
+    # Note [One thread runs the operators] (stream/WeightStreamer.cpp): the plan moves weights
+    # between tiers from whichever thread reaches a module call; two threads each training its
+    # own model at 4x the budget ended, a few runs in a hundred, an Adam step off (found by
+    # review; overlap=False too). One thread (its backward on autograd's thread) keeps
+    # streaming; a second thread inside an operator at the same time turns it off, with a
+    # message, and both models then train to the single-threaded bits.
+    r = subprocess.run([sys.executable, "-c", _MODEL + textwrap.dedent("""
+        import copy, threading, time
+        ref = mlp(256, 6)
+        model = copy.deepcopy(ref).to("superchip")
+        xs = [torch.randn(16, 256, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+        train_pair(ref, model, [(x,) for x in xs], lambda m, x: m(x).square().mean())
+        alone = superchip.weights_plan()["state"]
+        # Two threads, each its own model and optimizer, run at once until the second thread's
+        # operator meets the first's (torch releases the GIL inside operators).
+        pairs = [(mlp(256, 6), None) for _ in range(2)]
+        pairs = [(r, copy.deepcopy(r).to("superchip")) for r, _ in pairs]
+        out = [None, None]
+        barrier = threading.Barrier(2)
+        big = torch.randn(768, 768).to("superchip")
+        def work(i):
+            barrier.wait()
+            (big @ big).sum().item()  # tens of milliseconds in the executor, both at once
+            out[i] = train_pair(*pairs[i], [(x,) for x in xs * 3], lambda m, x: m(x).square().mean())
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print(json.dumps(dict(alone=alone, after=superchip.weights_plan()["state"],
+                              same=[same_params(r, m) for r, m in pairs],
+                              losses=[all(a == b for a, b in o) for o in out])))
+    """)], env=dict(os.environ, SUPERCHIP_HBM_BYTES="1M", SUPERCHIP_EXECUTOR="cpu"),
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["alone"] == "streaming", out
+    assert out["after"] == "off", out
+    assert "two threads ran superchip operators at the same time" in r.stderr, r.stderr[-2000:]
+    assert out["same"] == [True, True] and out["losses"] == [True, True], out
