@@ -82,6 +82,39 @@ from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 
+# Note [Tensors sent to another process]
+# torch.multiprocessing pickles a tensor for a child (spawn's arguments, a Queue) by sharing
+# its storage: a file descriptor for CPU memory, an IPC handle for CUDA. superchip memory has
+# neither, and torch's reducer raised "_share_fd_: only available on CPU", which names no
+# superchip (from a Queue's feeder thread, while the child waited for ever: found by review).
+# The reducer now says what to do; anything else is torch's.
+def _wrap_reducer(reduce):
+    def reducer(obj):
+        device = getattr(obj, "device", None)
+        if device is not None and device.type == "superchip":
+            raise RuntimeError(
+                f"a superchip {type(obj).__name__} cannot be sent to another process: superchip "
+                f"memory belongs to the process that allocated it (there is no inter-process "
+                f"sharing as for CUDA). Send tensor.cpu() (or a state_dict of CPU tensors) and "
+                f"move it with .to('superchip') in the other process, or start the child with "
+                f"the 'fork' method, which inherits it without pickling.")
+        return reduce(obj)
+    return reducer
+
+
+def _register_reducers() -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    tensor, storage = _wrap_reducer(reductions.reduce_tensor), _wrap_reducer(reductions.reduce_storage)
+    for cls in (torch.Tensor, torch.nn.parameter.Parameter):
+        ForkingPickler.register(cls, tensor)
+    ForkingPickler.register(torch.UntypedStorage, storage)
+
+
+_register_reducers()
+
 # Note [Hub kernels]
 # transformers (5.x, with the `kernels` package it requires) "kernelizes" every model that
 # from_pretrained loads, for the device the model is on, unless USE_HUB_KERNELS says no; the

@@ -5,6 +5,8 @@ error."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -382,3 +384,16 @@ def test_cpu_scalar_tensor_is_not_accepted_as_an_output():
     with pytest.raises(RuntimeError, match="superchip:0 and cpu"):
         torch.add(x, 1, out=out)
     assert out.shape == () and float(out) == 0.0
+
+
+def test_sending_a_superchip_tensor_to_another_process_says_what_to_do():
+    # Note [Tensors sent to another process] (superchip/__init__.py): torch's reducer raised
+    # "_share_fd_: only available on CPU" (found by review; from a Queue, the child hung).
+    from multiprocessing.reduction import ForkingPickler
+
+    t = torch.arange(4.0, device="superchip")
+    for obj in (t, torch.nn.Parameter(t.clone()), t.untyped_storage()):
+        with pytest.raises(RuntimeError, match=r"cannot be sent to another process.*\.cpu\(\).*'fork'"):
+            ForkingPickler.dumps(obj)
+    cpu = pickle.loads(ForkingPickler.dumps(torch.arange(4.0)))  # CPU tensors as before
+    assert torch.equal(cpu, torch.arange(4.0))
