@@ -13,6 +13,7 @@
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/StorageLease.h"
 #include "backend/runtime/SuperchipAllocator.h"
+#include "backend/runtime/WriteWatch.h"
 
 namespace superchip {
 namespace {
@@ -67,6 +68,8 @@ class Operands {
     if (!t.defined()) return t;
     const bool superchip = is_superchip(t);
     if (superchip) {
+      // A collective that writes a parameter is a write its optimizer must see (runtime/WriteWatch.h).
+      if (written) note_write(t.storage().unsafeGetStorageImpl());
       leases.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
                               t.storage().unsafeGetStorageImpl()),
                           what_, written);

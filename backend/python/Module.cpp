@@ -187,9 +187,9 @@ PYBIND11_MODULE(_C, m) {
       watch_writes(*t.storage().unsafeGetStorageImpl());
     }
   }, py::arg("tensor"));
-  m.def("_take_written", [](const at::Tensor& t) {
-    return t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage() &&
-           take_written(*t.storage().unsafeGetStorageImpl());
+  m.def("_writes_noted", [](const at::Tensor& t) -> uint64_t {
+    if (t.device().type() != c10::DeviceType::PrivateUse1 || !t.has_storage()) return 0;
+    return writes_noted(*t.storage().unsafeGetStorageImpl());
   }, py::arg("tensor"));
   m.def("_watched_storage_count", &watched_storage_count);
   m.def("_stream_triad_inplace", [](at::Tensor& a, const at::Tensor& b, double s) {

@@ -14,7 +14,7 @@ namespace {
 
 struct Entry {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // tells a dead entry from a live one
-  bool written = false;
+  uint64_t writes = 0;
 };
 
 struct Table {
@@ -57,19 +57,16 @@ void watch_writes(c10::StorageImpl& storage) {
       }
       t.sweep_at = std::max<size_t>(64, 2 * t.entries.size());
     }
-    t.entries.emplace(&storage, Entry{std::move(weak), false});
+    t.entries.emplace(&storage, Entry{std::move(weak), 0});
     t.count.store(t.entries.size(), std::memory_order_relaxed);
   }
 }
 
-bool take_written(const c10::StorageImpl& storage) {
+uint64_t writes_noted(const c10::StorageImpl& storage) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
   auto it = t.entries.find(&storage);
-  if (it == t.entries.end()) return false;
-  const bool written = it->second.written;
-  it->second.written = false;
-  return written;
+  return it == t.entries.end() ? 0 : it->second.writes;
 }
 
 void note_write(const c10::StorageImpl* storage) noexcept {
@@ -79,7 +76,7 @@ void note_write(const c10::StorageImpl* storage) noexcept {
   if (t.count.load(std::memory_order_relaxed) == 0 || OffloadEngine::on_worker()) return;
   std::lock_guard<std::mutex> lock(t.mu);
   auto it = t.entries.find(storage);
-  if (it != t.entries.end()) it->second.written = true;
+  if (it != t.entries.end()) it->second.writes++;
 }
 
 size_t watched_storage_count() {

@@ -149,6 +149,11 @@ def _all_superchip(params, explicit: str | None) -> bool:
     return True
 
 
+def _tensors(params: list) -> list:
+    """The tensors of a param group's list, named parameters ((name, tensor) pairs) unpacked."""
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+
+
 def _refuse_duplicates(cls: str, index: int, params: list) -> None:
     """A group that lists a parameter twice is refused. torch.optim only warns ("in future,
     this will cause an error") and steps such a parameter once per listing, with bias
@@ -156,7 +161,7 @@ def _refuse_duplicates(cls: str, index: int, params: list) -> None:
     engine steps each parameter once. So no behaviour of ours could match torch's: found by
     review, where the engine stepped a duplicated parameter once and overlap=False twice."""
     first = {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(_tensors(params)):
         j = first.setdefault(id(p), i)
         if j != i and isinstance(p, torch.Tensor):
             raise ValueError(
@@ -231,10 +236,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # same checkpoint) compares equal and keeps the master. These are the optimizer's own
     # operators: a user's TorchDispatchMode does not see them. A write through .data (a tensor
     # with a version counter of its own: WGAN's p.data.clamp_, a zeroed padding row) moves no
-    # version the optimizer can read, so superchip's operators note writes to the parameter's
-    # storage (backend/runtime/WriteWatch.h); before, the next step silently undid them (found
-    # by review). Kernels of a compiled graph that write a parameter through .data are not
-    # noted. FSDP2's sharded parameters are checked shard by shard (set_model_state_dict after
+    # version the optimizer can read, so superchip's operators and collectives count writes to
+    # the parameter's storage (backend/runtime/WriteWatch.h; a count, so parameters that share
+    # one flat buffer each see a write to it); before, the next step silently undid them (found
+    # by review). Not seen: kernels of a compiled graph that write a parameter through .data,
+    # and .data writes to CPU parameters (an optimizer over CPU parameters). FSDP2's sharded parameters are checked shard by shard (set_model_state_dict after
     # some steps was undone by the next step: found by review).
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
@@ -247,11 +253,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():  # FSDP2: the local shards themselves
                 local, local_master = _dist.local_shard(p), _dist.local_shard(master)
             # A write to a DTensor counts in its own version (its shard's is below autograd).
-            key = (p._version, local._version, local.data_ptr())
-            moved = seen.get(p) != key
-            if moved:
+            # .data writes: the count of writes superchip's operators noted on its storage.
+            key = (p._version, local._version, local.data_ptr(), _C._writes_noted(local))
+            if seen.get(p) != key:
                 _C._watch_writes(local)
-            if _C._take_written(local) or moved:
                 # Element by element: a write to some elements (a pruning mask, clamp_, a
                 # zeroed row, Embedding(max_norm=)) keeps the low bits of all the others.
                 # Compared on the parameter's device (a model moved to the CPU mid-run).
@@ -406,14 +411,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         engine = getattr(self, "_engine", None)
         stop = False
-        params = param_group["params"]
-        if not isinstance(params, set):  # torch's own check refuses a set
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, set):  # torch's own checks refuse the rest
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            param_group = dict(param_group, params=params)
+            param_group["params"] = params  # in the caller's dict, as torch does
             _refuse_duplicates(type(self).__name__, len(self.param_groups), params)
-        if engine is not None and engine.overlap:
+        if engine is not None and engine.overlap and params is not None:
             # Checked before the group is added, so an error changes nothing.
-            stop = not _all_superchip(params, "overlap=True" if self._overlap_explicit else None)
+            stop = not _all_superchip(_tensors(params), "overlap=True" if self._overlap_explicit else None)
         super().add_param_group(param_group)
         if stop:
             engine.stop()  # a CPU parameter joined a default-on engine: the plain step

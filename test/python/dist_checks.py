@@ -321,6 +321,20 @@ def check_collective_writes_streamed_weight():
         dist.send(sent.to(DEV), 0)
 
 
+def check_collective_writes_a_parameter():
+    # runtime/WriteWatch.h: a collective that writes a bf16 parameter's bytes (here through
+    # .data, which moves no version) is a write its optimizer's fp32 master takes; the next
+    # step (lr 0) wrote the old master back over the broadcast values (found by review).
+    p = torch.nn.Parameter(data(64, seed=3).to(DEV, torch.bfloat16))
+    opt = superchip.optim.SGD([p], lr=0.0, overlap=False)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # the master exists
+    dist.broadcast(p.data, 0)
+    dist.all_reduce(p.data)
+    opt.step()
+    eq(p.detach(), data(64, seed=3, rank=0).to(torch.bfloat16) * WORLD, "collective writes undone")
+
+
 def check_functional_collectives():
     import torch.distributed._functional_collectives as funcol
 
@@ -824,7 +838,7 @@ GROUPS = {
     "collectives": ["backend_selection", "broadcast", "allreduce_ops", "allgather", "reduce_scatter",
                     "coalesced", "alltoall", "send_recv", "reduce_gather_scatter",
                     "barrier_and_objects", "host_tier_operands", "async_work_and_tier_move",
-                    "collective_writes_streamed_weight",
+                    "collective_writes_streamed_weight", "collective_writes_a_parameter",
                     "functional_collectives", "other_backend_strings", "device_id_and_split"],
     "training": ["ddp", "ddp_superchip_optim", "ddp_engine", "fsdp2", "fsdp2_superchip_optim",
                  "fsdp2_bf16_reload", "dcp_roundtrip", "dtensor_random_init", "ulysses"],
