@@ -47,6 +47,9 @@ def test_device_queries_a_cuda_script_makes():
         assert mod.max_memory_allocated() >= mod.memory_allocated() + (4 << 20)
         mod.reset_max_memory_allocated()
         assert mod.max_memory_allocated() == mod.memory_allocated()
+        with pytest.raises(torch.OutOfMemoryError):  # 80 MiB, placed in host, cannot go to hbm
+            superchip.move_to_tier(torch.empty(80 << 20, dtype=torch.uint8, device="superchip"), "hbm")
+        assert torch.accelerator.memory_stats()["num_ooms"] >= 1
         mod.reset_accumulated_memory_stats()
         assert torch.accelerator.memory_stats()["num_ooms"] == 0
         summary = mod.memory_summary()
