@@ -153,14 +153,16 @@ PYBIND11_MODULE(_C, m) {
     check_superchip(t, "superchip.move_to_tier");
     const Tier target = tier_arg(tier);
     py::gil_scoped_release no_gil;
-    try {
-      move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
-    } catch (const c10::OutOfMemoryError&) {
-      // Note [The staging arena gives way]
-      if (target != Tier::kHbm || !WeightStreamer::get().enabled()) throw;
-      WeightStreamer::get().replan();
-      WeightStreamer::get().release_staging();
-      move_storage_to_tier(*t.storage().unsafeGetStorageImpl(), target);
+    c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+    // A quiet attempt first, so an out-of-memory error is counted (num_ooms) only when one
+    // is raised (it counted two for one error).
+    if (!try_move_storage_to_tier(storage, target)) {
+      if (target == Tier::kHbm && WeightStreamer::get().enabled()) {
+        // Note [The staging arena gives way]
+        WeightStreamer::get().replan();
+        WeightStreamer::get().release_staging();
+      }
+      move_storage_to_tier(storage, target);  // raises with the reason (no room, a lease)
     }
     WeightStreamer::get().note_placed_by_hand(t.storage().unsafeGetStorageImpl());
   });

@@ -415,15 +415,16 @@ void free_block(void* ptr) noexcept { block_delete(ptr); }
 
 c10::DataPtr allocate_in_tier(size_t nbytes, Tier tier, c10::DeviceIndex device) {
   MemoryManager& m = memory(device);
-  void* p = nullptr;
-  try {
-    p = m.allocate(nbytes, tier);
-  } catch (const OutOfTierMemory& e) {
-    if (!drain_pending_frees()) rethrow_as_torch_oom(e);
+  // Blocks waiting for their streams are drained before the attempt that may fail: an error
+  // is counted (num_ooms) only where one is raised (a failure the drain then cured counted
+  // one, and a second failure two: found by review).
+  void* p = m.try_allocate(nbytes, tier);
+  if (p == nullptr && nbytes > 0) {
+    drain_pending_frees();
     try {
       p = m.allocate(nbytes, tier);
-    } catch (const OutOfTierMemory& again) {
-      rethrow_as_torch_oom(again);
+    } catch (const OutOfTierMemory& e) {
+      rethrow_as_torch_oom(e);
     }
   }
   return block_data_ptr(p, device);
