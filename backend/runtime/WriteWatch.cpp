@@ -2,6 +2,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -71,8 +72,8 @@ uint64_t writes_noted(const c10::StorageImpl& storage) {
 
 void note_write(const c10::StorageImpl* storage) noexcept {
   Table& t = table();
-  // Relaxed: a write and the take that must see it are ordered by the training thread itself
-  // (or by the user's own synchronization between threads), not by this load.
+  // Relaxed: a write and the writes_noted() that must see it are ordered by the training
+  // thread itself (or by the user's own synchronization between threads), not by this load.
   if (t.count.load(std::memory_order_relaxed) == 0 || OffloadEngine::on_worker()) return;
   std::lock_guard<std::mutex> lock(t.mu);
   auto it = t.entries.find(storage);
