@@ -240,8 +240,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # the parameter's storage (backend/runtime/WriteWatch.h; a count, so parameters that share
     # one flat buffer each see a write to it); before, the next step silently undid them (found
     # by review). Not seen: kernels of a compiled graph that write a parameter through .data,
-    # and .data writes to CPU parameters (an optimizer over CPU parameters). FSDP2's sharded parameters are checked shard by shard (set_model_state_dict after
-    # some steps was undone by the next step: found by review).
+    # and .data writes to CPU parameters (an optimizer over CPU parameters). FSDP2's sharded
+    # parameters are checked shard by shard (set_model_state_dict after some steps was undone
+    # by the next step: found by review).
     def _master(self, p: torch.Tensor, state: dict):
         if p.dtype not in _LOW_PRECISION:
             return None
