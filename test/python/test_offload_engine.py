@@ -830,8 +830,9 @@ def test_compiled_model_waits_for_the_pending_step():
         assert torch.equal(_bits(x), _bits(y))
 
 
-@pytest.mark.parametrize("max_grad_norm", [1e9, 0.5], ids=["clip-never", "clip-always"])
-def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch, max_grad_norm):
+@pytest.mark.parametrize("max_grad_norm,fp16", [(1e9, False), (0.5, False), (0.5, True)],
+                         ids=["clip-never", "clip-always", "fp16-clip-always"])
+def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch, max_grad_norm, fp16):
     # The README's Trainer path: ACCELERATE_TORCH_DEVICE=superchip and
     # optimizers=(superchip.optim.AdamW(...), None); Trainer's own loop (accelerate's wrapped
     # optimizer, clip_grad_norm_, its linear schedule, model.zero_grad()) runs unchanged.
@@ -853,7 +854,8 @@ def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / f"out{int(overlap)}"), per_device_train_batch_size=4,
             max_steps=6, learning_rate=1e-3, max_grad_norm=max_grad_norm, logging_steps=1,
-            report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True)
+            report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
+            fp16=fp16)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = superchip.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -862,6 +864,9 @@ def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
         trainer.train()
         assert next(trainer.model.parameters()).device.type == "superchip"
+        # fp16=True: accelerate's autocast and GradScaler on the superchip device (accelerate
+        # 1.16 allows it; 1.15 refused fp16 for device types outside a fixed list).
+        assert (trainer.accelerator.scaler is not None) == fp16
         return trainer.model, opt, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     (ma, oa, la), (mb, ob, lb) = run(False), run(True)
