@@ -121,6 +121,23 @@ Stream SuperchipGuardImpl::exchangeStream(Stream s) const {
 
 c10::DeviceIndex SuperchipGuardImpl::deviceCount() const noexcept { return device_count(); }
 
+#if SUPERCHIP_HAS_DEVICE_CAPABILITY
+c10::DeviceCapability SuperchipGuardImpl::getDeviceCapability(Device /*d*/) const {
+  // Every scalar type but PyTorch's quantized ones (refused) and the sub-byte integer types
+  // (torch.int1..int7, uint1..uint7: dtype markers of tensor subclasses, whose bytes no CPU
+  // kernel copies, so a superchip tensor of them could not be moved off the device).
+  c10::DeviceCapability cap;
+  for (int bit : {c10::kIndex_QInt8, c10::kIndex_QUInt8, c10::kIndex_QInt32, c10::kIndex_QUInt4x2,
+                  c10::kIndex_QUInt2x4, c10::kIndex_Int1, c10::kIndex_Int2, c10::kIndex_Int3,
+                  c10::kIndex_Int4, c10::kIndex_Int5, c10::kIndex_Int6, c10::kIndex_Int7,
+                  c10::kIndex_UInt1, c10::kIndex_UInt2, c10::kIndex_UInt3, c10::kIndex_UInt4,
+                  c10::kIndex_UInt5, c10::kIndex_UInt6, c10::kIndex_UInt7}) {
+    cap.capability_data.capability_bits &= ~(1ULL << bit);
+  }
+  return cap;
+}
+#endif
+
 void SuperchipGuardImpl::record(void** event, const Stream& stream, c10::DeviceIndex device_index,
                                 c10::EventFlag flag) const {
   if (on_cuda()) {

@@ -6,6 +6,13 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+// torch 2.13 asks a device guard for its DeviceCapability; 2.11 may predate it.
+#if __has_include(<c10/core/DeviceCapability.h>)
+#define SUPERCHIP_HAS_DEVICE_CAPABILITY 1
+#else
+#define SUPERCHIP_HAS_DEVICE_CAPABILITY 0
+#endif
+
 namespace superchip {
 
 struct SuperchipGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -22,6 +29,11 @@ struct SuperchipGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int priority = 0) const override;
   c10::Stream exchangeStream(c10::Stream s) const override;
   c10::DeviceIndex deviceCount() const noexcept override;
+#if SUPERCHIP_HAS_DEVICE_CAPABILITY
+  // torch.accelerator.get_device_capability(): the dtypes a superchip tensor can hold and be
+  // copied in (not PyTorch's quantized ones, refused: Note [Quantized tensors]).
+  c10::DeviceCapability getDeviceCapability(c10::Device d) const override;
+#endif
   void record(void** event, const c10::Stream& stream, c10::DeviceIndex device_index,
               c10::EventFlag flag) const override;
   void block(void* event, const c10::Stream& stream) const override;

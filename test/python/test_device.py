@@ -111,6 +111,19 @@ def test_current_accelerator_is_superchip():
     assert torch.accelerator.current_device_index() == 0
 
 
+def test_device_capability_lists_what_a_tensor_can_hold_and_copy():
+    if not hasattr(torch.accelerator, "get_device_capability"):
+        pytest.skip("torch.accelerator.get_device_capability is newer than this torch")
+    dtypes = torch.accelerator.get_device_capability("superchip")["supported_dtypes"]
+    assert {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64,
+            torch.int8, torch.bool, torch.float8_e4m3fn} <= dtypes
+    assert torch.qint8 not in dtypes and torch.uint4 not in dtypes
+    for dt in dtypes:  # each one is made, copied in and copied back
+        x = torch.zeros(3, dtype=dt)
+        y = x.to("superchip")
+        assert y.dtype == dt and torch.equal(y.cpu().view(torch.uint8), x.view(torch.uint8))
+
+
 def test_multi_device_semantics_in_subprocess():
     code = textwrap.dedent("""
         import torch, superchip
