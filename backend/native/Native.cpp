@@ -16,6 +16,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 
+#include <initializer_list>
+
 #include "backend/native/Forward.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
@@ -310,10 +312,29 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
   return dense(self) && dense(from);
 }
 
+// Convolution reaches superchip through ATen's overrideable hooks, not the forwarding fallback,
+// so the fallback's device check (ForwardedCall::find_device) is made here: a weight or bias
+// left on the CPU (a module not moved) or on another superchip device is refused as every
+// forwarded operator refuses it. Aliased as it was, the CPU kernel computed the forward, and
+// backward failed later on the CPU weight's gradient.
+namespace {
+void check_convolution_devices(const char* op, const at::Tensor& input,
+                               std::initializer_list<const at::Tensor*> others) {
+  for (const at::Tensor* t : others) {
+    if (t == nullptr || !t->defined() || t->device() == input.device()) continue;
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                "devices, ", input.device(), " and ", t->device(), "! (in ", op, "). Move them "
+                "to one device with .to(): a module's weights with module.to(\"superchip\").");
+  }
+}
+}  // namespace
+
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                     bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
+  check_convolution_devices("aten::convolution", input,
+                            {&weight, bias.has_value() ? &*bias : nullptr});
   std::optional<at::Tensor> bias_x;
   if (bias.has_value() && bias->defined()) bias_x = executor_alias(*bias, Access::kRead);
   at::Tensor out = at::convolution(executor_alias(input, Access::kRead),
@@ -326,6 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  check_convolution_devices("aten::convolution_backward", input, {&grad_output, &weight});
   // The bias gradient has one value per output channel.
   const int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
   std::vector<int64_t> bias_sizes{out_channels};

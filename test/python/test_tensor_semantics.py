@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import superchip  # noqa: F401
 
@@ -364,6 +365,31 @@ def test_mixed_device_error_names_both_devices():
     assert "superchip:0" in msg and "cpu" in msg
     with pytest.raises(RuntimeError, match="superchip:0"):
         torch.mm(torch.ones(2, 2), torch.ones(2, 2, device=DEVICE))
+
+
+@pytest.mark.parametrize("case", ["weight", "bias", "transposed", "conv1d", "backward"])
+def test_a_convolution_weight_left_on_the_cpu_is_refused(case):
+    # Convolution reaches superchip through ATen's overrideable hooks, not the forwarding
+    # fallback: a module not moved to the device computed its forward on the CPU weight, and
+    # backward failed on that weight's gradient ("expected device cpu but got superchip:0").
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 6, 6, device=DEVICE)
+    w, b = torch.randn(3, 2, 3, 3), torch.randn(3)
+    calls = {
+        "weight": lambda: F.conv2d(x, w, b.to(DEVICE)),
+        "bias": lambda: F.conv2d(x, w.to(DEVICE), b),
+        "transposed": lambda: F.conv_transpose2d(x, torch.randn(2, 3, 3, 3)),
+        "conv1d": lambda: F.conv1d(x[:, :, 0], torch.randn(3, 2, 3)),
+        # backward's operands are checked too (a gradient from another device)
+        "backward": lambda: torch.ops.aten.convolution_backward(
+            torch.ones(1, 3, 4, 4), x, w.to(DEVICE), None, [1, 1], [0, 0], [1, 1], False,
+            [0, 0], 1, [True, True, False]),
+    }
+    with pytest.raises(RuntimeError, match=r"same device.*superchip:0 and cpu.*convolution"):
+        calls[case]()
+    # Everything on the device still computes the CPU's bits.
+    y = F.conv2d(x, w.to(DEVICE), b.to(DEVICE))
+    assert torch.equal(y.cpu(), F.conv2d(x.cpu(), w, b))
 
 
 def test_cpu_zero_dim_tensor_is_a_scalar():
