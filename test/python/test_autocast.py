@@ -75,6 +75,29 @@ def test_promote_ops(dtype):
         assert torch.addcmul(a, b, b).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+def test_binary_cross_entropy_is_banned_as_on_cuda(dtype):
+    # CUDA's policy refuses F.binary_cross_entropy / nn.BCELoss under autocast (torch registers
+    # that ban for CUDA alone); without it a float32 target failed with "Found dtype Float but
+    # expected Half" and a low-precision one gave a half-precision loss without a word.
+    p = torch.rand(8, device=DEVICE)
+    with torch.amp.autocast("superchip", dtype=dtype):
+        probs = torch.sigmoid(p @ torch.ones(8, 8, device=DEVICE))
+        for target in (torch.rand(8, device=DEVICE), torch.rand(8, device=DEVICE).to(dtype)):
+            with pytest.raises(RuntimeError, match="unsafe to autocast.*binary_cross_entropy_with_logits"):
+                F.binary_cross_entropy(probs, target)
+            with pytest.raises(RuntimeError, match="unsafe to autocast"):
+                torch.nn.BCELoss()(probs, target)
+        # What the message advises runs, in float32.
+        logits = p @ torch.ones(8, 8, device=DEVICE)
+        loss = F.binary_cross_entropy_with_logits(logits, torch.rand(8, device=DEVICE))
+        assert loss.dtype == torch.float32
+    # Outside autocast it is the CPU's loss.
+    t = torch.rand(8)
+    assert torch.equal(F.binary_cross_entropy(p.sigmoid(), t.to(DEVICE)).cpu(),
+                       F.binary_cross_entropy(p.cpu().sigmoid(), t))
+
+
 def test_disabled_and_nested_autocast():
     a = torch.randn(4, 4, device=DEVICE)
     with torch.amp.autocast("superchip", dtype=torch.bfloat16):
