@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "backend/native/Attention.h"
+#include "backend/native/Dropout.h"
 #include "backend/native/Forward.h"
 #include "backend/native/GroupNorm.h"
 #include "backend/native/Histc.h"
@@ -151,7 +152,9 @@ int register_executor_kernels() {
         torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
     autograd_lib->impl("_thnn_fused_lstm_cell", TORCH_FN(native::fused_lstm_cell_decomposed));
     autograd_lib->impl("_thnn_fused_gru_cell", TORCH_FN(native::fused_gru_cell_decomposed));
-    count += 2;
+    // Note [Dropout on the CPU executor]: the CPU's dropout, not the fused one.
+    autograd_lib->impl("dropout", TORCH_FN(native::dropout_as_on_cpu));
+    count += 3;
   }
   return count;
 }
