@@ -214,7 +214,12 @@
 // read in place: correct, slower), once, with a message; superchip.set_streaming(True) turns
 // it back on at the user's risk. A thread that only reads parameters while training runs
 // (p.cpu() from a logger) counts too. A second thread that starts after a plan was made can
-// meet one move before its first operator is counted.
+// meet one move before its first operator is counted. Threads overlapping while the streamer
+// is idle (no weight read recorded yet, so no plan and no move) do not count: transformers 5
+// loads a checkpoint with four threads copying onto the device, and from_pretrained(...,
+// device_map="superchip") turned streaming off, in 3 runs of 4, for the training after it
+// (found by review). An operator of such a thread still running when the training thread's
+// reads have been recorded and planned (two passes later) would meet the plan's first move.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
@@ -1297,6 +1302,15 @@ WeightStreamer::WeightStreamer() : impl_(new Impl()) {
 
 bool WeightStreamer::active() const noexcept { return impl_->active.load(std::memory_order_acquire); }
 
+bool WeightStreamer::idle() const noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->state == State::kIdle;
+  } catch (...) {
+    return false;  // the mutex failed (std::system_error): assume a plan may be moving weights
+  }
+}
+
 bool WeightStreamer::enabled() const noexcept {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->enabled;
@@ -1517,8 +1531,14 @@ WeightStreamer::OperatorScope::OperatorScope() noexcept {
   if (t_operator_depth++ > 0 || OffloadEngine::on_worker()) return;
   counted_ = true;
   if (g_threads_in_operators.fetch_add(1, std::memory_order_acq_rel) == 0) return;
-  if (g_concurrent_operators.exchange(true, std::memory_order_acq_rel)) return;
+  if (g_concurrent_operators.load(std::memory_order_acquire)) return;
   WeightStreamer& streamer = WeightStreamer::get();
+  // Before any weight read was recorded there is no plan, so nothing moves: threads that load a
+  // model together (transformers 5 copies checkpoint tensors onto the device from a pool of
+  // four) are not the hazard this guards against, and must not turn streaming off for the
+  // training that follows.
+  if (streamer.idle()) return;
+  if (g_concurrent_operators.exchange(true, std::memory_order_acq_rel)) return;
   if (!streamer.enabled()) return;
   std::fprintf(stderr,
                "superchip: two threads ran superchip operators at the same time; weight streaming "

@@ -151,6 +151,8 @@ class WeightStreamer {
     bool counted_ = false;
   };
   bool enabled() const noexcept;
+  // No weight read recorded since the plan was last reset: nothing planned, nothing moves.
+  bool idle() const noexcept;
   // Applies what the plan decided but an operator could not do: demotes the stationary weights
   // it chose to stream (so the staging arena fits), promotes the streamed weights hbm has room
   // for, and reserves the arena. Returns true when a promotion found no room in hbm now and
