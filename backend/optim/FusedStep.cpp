@@ -8,9 +8,11 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <new>
 #include <string>
 
@@ -338,10 +340,20 @@ ops::ThreadPool& optimizer_pool(c10::DeviceIndex device) {
     if (executor() == Executor::kCuda) gpu = executor_device(device < 0 ? current_device() : device).index();
     const NumaNode& node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(gpu))];
     int threads = static_cast<int>(node.cpus.size());
-    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS")) {
-      const int v = std::atoi(env);
-      TORCH_CHECK(v > 0, "SUPERCHIP_OPTIM_THREADS must be a positive integer, got '", env, "'.");
-      threads = v;
+    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS"); env != nullptr && *env != '\0') {
+      // A whole number up to 4x the machine's hardware threads. It was read with atoi: "4abc"
+      // ran 4 threads, and 100000 started 100000 (the process stalled with 32k threads, and
+      // the machine with it: found by review).
+      const long most = 4L * std::max(1U, std::thread::hardware_concurrency());
+      char* end = nullptr;
+      errno = 0;
+      const long v = std::strtol(env, &end, 10);
+      TORCH_CHECK(end != env && *end == '\0' && errno == 0 && v > 0 && v <= most,
+                  "SUPERCHIP_OPTIM_THREADS must be a whole number of threads from 1 to ", most,
+                  " (4x this machine's ", std::max(1U, std::thread::hardware_concurrency()),
+                  " hardware threads); got '", env, "'. Unset it for the cores of the GPU-local "
+                  "NUMA node (", node.cpus.size(), " here).");
+      threads = static_cast<int>(v);
     }
     g_pool = new ops::ThreadPool(std::max(1, threads), node.cpus);
   }

@@ -101,6 +101,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "superchip native module (see superchip/__init__.py for the public API)";
   m.def("_init", [] {
     (void)executor();  // raises here, as a Python error, when SUPERCHIP_EXECUTOR is invalid
+    check_environment();  // and the other variables read at start-up (runtime/Runtime.h)
+    WeightStreamer::check_environment();
     return register_executor_kernels();
   });
   m.def("_executor", [] { return std::string(executor_name(executor())); });

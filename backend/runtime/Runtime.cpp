@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -100,20 +101,39 @@ c10::Device executor_device(c10::DeviceIndex index) {
   return c10::Device(c10::DeviceType::CPU);
 }
 
+namespace {
+// SUPERCHIP_DEVICE_COUNT: a whole number from 1 to kMaxDevices, else 0 (malformed). It was
+// read with strtol and clamped, so "abc", "0" and "-1" gave one device and "2abc" two, with
+// no word: a torchrun job then had fewer devices than local ranks (found by review).
+long emulated_device_count(const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || errno != 0 || v < 1 || v > kMaxDevices) return 0;
+  return v;
+}
+}  // namespace
+
 c10::DeviceIndex device_count() noexcept {
   static const c10::DeviceIndex count = []() -> c10::DeviceIndex {
     try {
       if (executor() == Executor::kCuda) {
         return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount();
       }
-      const std::string n = env_or("SUPERCHIP_DEVICE_COUNT", "1");
-      const long v = std::strtol(n.c_str(), nullptr, 10);
-      return static_cast<c10::DeviceIndex>(std::max(1L, std::min<long>(v, kMaxDevices)));
+      const long v = emulated_device_count(env_or("SUPERCHIP_DEVICE_COUNT", "1"));
+      return static_cast<c10::DeviceIndex>(v > 0 ? v : 1);  // check_environment() raises
     } catch (...) {
       return 0;
     }
   }();
   return count;
+}
+
+void check_environment() {
+  const std::string n = env_or("SUPERCHIP_DEVICE_COUNT", "1");
+  TORCH_CHECK(emulated_device_count(n) > 0, "SUPERCHIP_DEVICE_COUNT must be a whole number of "
+              "emulated superchip devices from 1 to ", kMaxDevices, "; got '", n, "'. Unset it for one "
+              "device (with the CUDA executor the GPUs are the devices and it is not used).");
 }
 
 void check_device_index(c10::DeviceIndex index) {
@@ -166,6 +186,9 @@ size_t parse_bytes(const std::string& text, const char* what) {
   }
   TORCH_CHECK(end != text.c_str() && scale > 0 && v >= 0 && std::isfinite(v), what,
               " must be a byte count such as 1073741824, 512M or 8G; got '", text, "'.");
+  // 0 is "no budget"; a fraction of a byte would read as that too.
+  TORCH_CHECK(v == 0 || v * scale >= 1, what, "='", text, "' is less than one byte; give a "
+              "byte count such as 512M or 8G (0 means no budget).");
   // Past 2^63 the conversion to size_t is undefined (x86 gives 0, which reads as "no budget").
   TORCH_CHECK(v * scale < 9223372036854775808.0, what, "='", text,
               "' is more than 2^63 bytes; give the budget the machine has, such as 512M or 8G.");

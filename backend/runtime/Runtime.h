@@ -30,6 +30,10 @@ c10::Device executor_device(c10::DeviceIndex index);
 // Number of superchip devices: the CUDA device count with the CUDA executor, otherwise
 // SUPERCHIP_DEVICE_COUNT (default 1). Never throws (0 on error).
 c10::DeviceIndex device_count() noexcept;
+// Raises, naming the variable and the accepted forms, when a variable read at start-up
+// (SUPERCHIP_DEVICE_COUNT) is malformed; superchip's _init calls it at import. device_count()
+// itself never throws (c10's contract) and reads a malformed count as 1.
+void check_environment();
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);
 // Raises a user error naming the index and the count when the index is out of range.

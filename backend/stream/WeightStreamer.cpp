@@ -402,6 +402,7 @@ bool env_enabled() {
 struct WeightStreamer::Impl {
   std::mutex mu;
   bool enabled = true;
+  std::string env_error;  // SUPERCHIP_STREAM's, raised by check_environment() (at import)
   std::atomic<bool> active{false};
   std::unique_ptr<StagingCopier> copier_;  // created with the first copy (under mu)
   std::atomic<StagingCopier*> created_copier{nullptr};  // copier_, readable without mu (fork)
@@ -1295,12 +1296,24 @@ WeightStreamer& WeightStreamer::get() {
 }
 
 WeightStreamer::WeightStreamer() : impl_(new Impl()) {
-  impl_->enabled = env_enabled();
+  // Constructed while _C is imported: a c10::Error raised there reaches Python with its C++
+  // backtrace, so it waits for check_environment(), which superchip's _init calls.
+  try {
+    impl_->enabled = env_enabled();
+  } catch (const c10::Error& e) {
+    impl_->env_error = e.what_without_backtrace();
+    impl_->enabled = false;
+  }
   OffloadEngine::get().set_written_hook(
       [](const c10::StorageImpl* s) noexcept { WeightStreamer::get().note_written(s); });
 }
 
 bool WeightStreamer::active() const noexcept { return impl_->active.load(std::memory_order_acquire); }
+
+void WeightStreamer::check_environment() {
+  const std::string& error = get().impl_->env_error;
+  TORCH_CHECK(error.empty(), error);
+}
 
 bool WeightStreamer::idle() const noexcept {
   try {

@@ -133,6 +133,8 @@ class WeightStreamer {
   // Whether read() may return a staged copy at all (fast path for operators).
   bool active() const noexcept;
 
+  // Raises when SUPERCHIP_STREAM is not understood (superchip's _init, at import).
+  static void check_environment();
   // SUPERCHIP_STREAM=0 starts disabled. Disabling drops every staged copy and the plan.
   void set_enabled(bool enabled);
 

@@ -204,6 +204,32 @@ def test_executor_env_invalid_value_errors_at_import():
     assert "SUPERCHIP_EXECUTOR" in res.stderr and "tpu" in res.stderr, res.stderr[-2000:]
 
 
+_STEP = ("import torch, superchip\n"
+         "p = torch.nn.Parameter(torch.ones(4, device='superchip'))\n"
+         "o = superchip.optim.AdamW([p]); p.grad = torch.ones_like(p); o.step()\n"
+         "torch.superchip.synchronize(); print('stepped')")
+
+
+@pytest.mark.parametrize("var,value,accepted", [
+    ("SUPERCHIP_DEVICE_COUNT", "abc", "whole number of emulated superchip devices from 1 to 64"),
+    ("SUPERCHIP_DEVICE_COUNT", "0", "whole number of emulated superchip devices from 1 to 64"),
+    ("SUPERCHIP_DEVICE_COUNT", "2abc", "whole number of emulated superchip devices from 1 to 64"),
+    ("SUPERCHIP_STREAM", "yes", "use 1"),
+    ("SUPERCHIP_HBM_BYTES", "0.4", "less than one byte"),
+    ("SUPERCHIP_OPTIM_THREADS", "4abc", "whole number of threads from 1 to"),
+    ("SUPERCHIP_OPTIM_THREADS", "100000", "whole number of threads from 1 to"),
+])
+def test_a_malformed_variable_is_refused_with_what_it_accepts(var, value, accepted):
+    # Found by review: SUPERCHIP_DEVICE_COUNT and SUPERCHIP_OPTIM_THREADS were read with
+    # strtol/atoi and clamped ("2abc" gave 2 devices, 100000 optimizer threads stalled the
+    # machine), a fraction of a byte of hbm meant no budget, and SUPERCHIP_STREAM's error
+    # came with a C++ backtrace.
+    res = run_python(_STEP, env={var: value, "SUPERCHIP_EXECUTOR": "cpu"})
+    assert res.returncode != 0 and "stepped" not in res.stdout, res.stdout
+    assert f"{var}" in res.stderr and value in res.stderr and accepted in res.stderr, res.stderr[-2000:]
+    assert "frame #" not in res.stderr, res.stderr[-2000:]
+
+
 def test_python_m_superchip_info():
     res = subprocess.run([sys.executable, "-m", "superchip", "info"], capture_output=True,
                          text=True, timeout=120)
