@@ -314,10 +314,12 @@ class ForwardedCall {
     if (foreign_.has_value()) {
       // Here either a superchip tensor meets a tensor of another device, or a superchip
       // generator or device argument meets tensors of another device.
+      bool generator = false;  // the advice names a generator only where one was passed
+      for (size_t k = 0; k < num_args_; ++k) generator |= (*stack_)[first_ + k].isGenerator();
       TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least "
                   "two devices, superchip", device_ >= 0 ? ":" + std::to_string(device_) : std::string(),
                   " and ", *foreign_, "! (in ", op_.schema().name(), "). Move them to one device "
-                  "with .to(), and use a generator of that device.");
+                  "with .to()", generator ? ", and use a generator of that device." : ".");
     }
     if (device_ < 0) {
       for (int pos : facts_.device_args) {

@@ -125,6 +125,9 @@ PYBIND11_MODULE(_C, m) {
   // with "free tensors first" although no tensor of the user's held the bytes, and
   // empty_cache() did not help (found by review). Such a request now drops the plan and its
   // arena and is tried once more; the next pass plans again for the budget it finds.
+  m.def("_parse_bytes", [](const std::string& text, const std::string& what) {
+    return static_cast<int64_t>(parse_bytes(text, what.c_str()));
+  });
   m.def("_set_capacity", [](int device, const std::string& tier, int64_t bytes) {
     TORCH_CHECK(bytes >= 0, "capacity must be >= 0 bytes (0 = unlimited), got ", bytes, ".");
     MemoryManager& mm = memory(resolve_device(static_cast<c10::DeviceIndex>(device)));

@@ -41,7 +41,8 @@ bool cuda_usable() noexcept {
 }
 
 Executor choose_executor() {
-  const std::string want = env_or("SUPERCHIP_EXECUTOR", "");
+  std::string want = env_or("SUPERCHIP_EXECUTOR", "");
+  for (char& c : want) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));  // CPU, Cuda
   if (want.empty()) return cuda_usable() ? Executor::kCuda : Executor::kCpu;
   if (want == "cpu") return Executor::kCpu;
   TORCH_CHECK(want == "cuda", "SUPERCHIP_EXECUTOR must be 'cpu' or 'cuda', got '", want,

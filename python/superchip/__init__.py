@@ -168,6 +168,13 @@ def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
     Every view of the storage, module parameter and optimizer reference follows; the tensor
     object stays the same. On error (e.g. the tier is full) nothing changes.
     """
+    if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided and tensor.device.type == "superchip":
+        # A sparse or nested tensor has no single storage (torch's "Cannot access storage of
+        # SparseTensorImpl" was the message: found by review).
+        raise ValueError(
+            f"move_to_tier moves a strided tensor's storage; this one is {tensor.layout}. Move its "
+            "parts (a sparse COO tensor's t._indices() and t._values(), a compressed one's "
+            "values()) or a dense copy (t.to_dense()) instead.")
     _C._move_to_tier(tensor, tier)
     return tensor
 
@@ -186,10 +193,22 @@ def reset_peak_memory_stats(device=None) -> None:
     _C._reset_peak_memory_stats(_index(device))
 
 
-def set_capacity(tier: str, nbytes: int, device=None) -> None:
-    """Changes a tier's budget in bytes (0 = unlimited); it cannot go below the bytes in use."""
+def set_capacity(tier: str, nbytes: int | str, device=None) -> None:
+    """Changes a tier's budget (0 = unlimited); it cannot go below the bytes in use.
+
+    ``nbytes`` is a byte count, or a string in the forms ``SUPERCHIP_HBM_BYTES`` takes
+    (``"8G"``, ``"512M"``, ``"1.5G"``)."""
     if tier not in _TIERS:
         raise ValueError(f"tier must be 'hbm' or 'host', got {tier!r}")
+    if isinstance(nbytes, str):
+        nbytes = _C._parse_bytes(nbytes, "set_capacity's nbytes")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or (
+            isinstance(nbytes, float) and not nbytes.is_integer()):
+        raise TypeError(f"set_capacity's nbytes must be a whole number of bytes or a string such "
+                        f"as '8G' (0 = unlimited), got {nbytes!r}")
+    if not 0 <= int(nbytes) < 2**63:
+        raise ValueError(f"set_capacity's nbytes must be from 0 (unlimited) to 2^63 - 1 bytes, got "
+                         f"{int(nbytes)}")
     _C._set_capacity(_index(device), tier, int(nbytes))
 
 

@@ -24,6 +24,7 @@ The engine's C++ half lives in backend/engine/; this module is its bookkeeping.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 import weakref
@@ -44,7 +45,7 @@ _UNDO_BYTES_FIRST = 6.0
 
 def speculation_policy() -> str:
     """``SUPERCHIP_SPECULATION``: ``auto`` (default: Note [Speculation budget]), ``always``, ``never``."""
-    v = os.environ.get("SUPERCHIP_SPECULATION", "auto").strip().lower()
+    v = os.environ.get("SUPERCHIP_SPECULATION", "").strip().lower() or "auto"  # empty: unset
     if v not in ("auto", "always", "never"):
         raise ValueError(f"SUPERCHIP_SPECULATION must be auto, always or never, got {v!r}")
     return v
@@ -131,10 +132,17 @@ def overlap_default() -> bool:
     Default-on optimizers whose parameters are not all on superchip take the plain step: the
     engine's pending-step check lives in superchip's operators (see optim._all_superchip).
     """
-    v = os.environ.get("SUPERCHIP_OVERLAP", "1").strip().lower()
+    v = os.environ.get("SUPERCHIP_OVERLAP", "").strip().lower() or "1"  # empty: unset
     if v not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"SUPERCHIP_OVERLAP must be 0 or 1, got {v!r}")
     return v in ("1", "true", "on")
+
+
+def _whole(v) -> bool:
+    """An int (numpy's too) or a float with no fraction (25e6), not a bool or a string."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, numbers.Integral) or (isinstance(v, float) and v.is_integer())
 
 
 class _Speculation:
@@ -151,10 +159,11 @@ class Engine:
 
     def __init__(self, opt, *, overlap: bool, bucket_bytes: int | None, tail_buckets: int | None,
                  can_speculate: bool):
-        if bucket_bytes is not None and int(bucket_bytes) <= 0:
-            raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
-        if tail_buckets is not None and int(tail_buckets) < 0:
-            raise ValueError(f"tail_buckets must be >= 0, got {tail_buckets}")
+        # Whole numbers only: int() took tail_buckets=1.5 as 1 without a word (found by review).
+        if bucket_bytes is not None and (not _whole(bucket_bytes) or int(bucket_bytes) <= 0):
+            raise ValueError(f"bucket_bytes must be a positive whole number of bytes, got {bucket_bytes!r}")
+        if tail_buckets is not None and (not _whole(tail_buckets) or int(tail_buckets) < 0):
+            raise ValueError(f"tail_buckets must be a whole number >= 0, got {tail_buckets!r}")
         # Weak both ways out of the engine: the optimizer owns the engine and the parameters
         # own the hooks, so `del model, opt` frees their memory at once, with no cycle for
         # the garbage collector to find later.

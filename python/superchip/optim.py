@@ -104,8 +104,15 @@ def _check_param(cls: str, p: torch.Tensor) -> None:
             f"superchip.optim.{cls}: parameter on {p.device}; it steps superchip and cpu "
             f"parameters. Move the model with .to('superchip')."
         )
-    if p.grad.is_sparse:
-        raise RuntimeError(f"superchip.optim.{cls} does not support sparse gradients.")
+    if p.grad.layout != torch.strided:
+        # Said what to do (found by review): torch.optim.SGD steps sparse gradients, and Adam
+        # and AdamW users are pointed at SparseAdam.
+        raise RuntimeError(
+            f"superchip.optim.{cls} does not step sparse gradients ({p.grad.layout}, a parameter "
+            f"of shape {tuple(p.shape)}, such as nn.Embedding(sparse=True)'s). Build that module "
+            f"with sparse=False, or give its parameters to a torch.optim optimizer of their own "
+            f"(torch.optim.SparseAdam, or torch.optim.SGD) and the rest to superchip.optim.{cls}."
+        )
     if p.grad.device != p.device:
         raise RuntimeError(
             f"superchip.optim.{cls}: gradient on {p.grad.device} for a parameter on {p.device}."
@@ -389,7 +396,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # measured for fp32 models, nor where SUPERCHIP_CAST_ON decides (found by review).
         if not any(p.dtype in _LOW_PRECISION for p in params):
             return False
-        forced = os.environ.get("SUPERCHIP_CAST_ON")
+        forced = _cast_on_env()
         if forced in ("executor", "cpu"):
             return forced == "executor"
         return link_model()["cast_on"] == "executor"
@@ -806,6 +813,11 @@ def cast_side(link: float, exec_cast: float, step_fp32: float, step_bf16: float)
     return t_exec, t_cpu, "executor" if t_exec < t_cpu else "cpu"
 
 
+def _cast_on_env() -> str:
+    """``SUPERCHIP_CAST_ON``, any case, spaces around it dropped; "" when unset."""
+    return os.environ.get("SUPERCHIP_CAST_ON", "").strip().lower()
+
+
 def link_model() -> dict:
     """The measured link-cost model that decides where a gradient bucket's cast runs.
 
@@ -835,7 +847,7 @@ def link_model() -> dict:
         return _LINK_MODEL
     from torch.utils._python_dispatch import _disable_current_modes
 
-    forced = os.environ.get("SUPERCHIP_CAST_ON")
+    forced = _cast_on_env()
     if forced and forced not in ("executor", "cpu"):
         raise ValueError(f"SUPERCHIP_CAST_ON must be 'executor' or 'cpu', got {forced!r}: "
                          "unset it to let the measured link model choose")

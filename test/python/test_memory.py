@@ -277,6 +277,16 @@ def test_set_capacity_reported_and_validated(hbm_capacity):
         superchip.set_capacity("l2", 0)
     superchip.set_capacity("hbm", 0)
     assert stats()["hbm.capacity_bytes"] == 0
+    # The environment variable's forms, and clear errors for what is not a byte count (found by
+    # review: "8G" raised int()'s error, 2**70 pybind's "incompatible function arguments").
+    superchip.set_capacity("hbm", "1.5G")
+    assert stats()["hbm.capacity_bytes"] == 3 * 512 * MiB
+    for bad, err in [(None, TypeError), (1.5, TypeError), (True, TypeError), (2**70, ValueError),
+                     (-1, ValueError), ("abc", RuntimeError)]:
+        with pytest.raises(err, match="set_capacity's nbytes"):
+            superchip.set_capacity("hbm", bad)
+        assert stats()["hbm.capacity_bytes"] == 3 * 512 * MiB
+    superchip.set_capacity("hbm", 0)
     del keep
 
 

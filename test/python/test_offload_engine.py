@@ -325,6 +325,18 @@ def test_overlap_env_and_arguments(monkeypatch):
         superchip.optim.AdamW([p], bucket_bytes=0)
     with pytest.raises(ValueError, match="tail_buckets"):
         superchip.optim.AdamW([p], tail_buckets=-1)
+    # Whole numbers (1.5 was taken as 1); an empty variable is unset, any case is understood.
+    for kw in ({"tail_buckets": 1.5}, {"bucket_bytes": 1.5}, {"bucket_bytes": True}):
+        with pytest.raises(ValueError, match="whole number"):
+            superchip.optim.AdamW([p], **kw)
+    assert superchip.optim.AdamW([p], bucket_bytes=25e6, tail_buckets=2)._engine.overlap
+    monkeypatch.setenv("SUPERCHIP_OVERLAP", "")
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "")
+    assert superchip.optim.AdamW([p])._engine.overlap
+    assert superchip.engine.speculation_policy() == "auto"
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", " Never")
+    assert superchip.engine.speculation_policy() == "never"
+    monkeypatch.delenv("SUPERCHIP_SPECULATION")
     st = superchip.optim.AdamW([p]).offload_stats()
     for k in ("buckets", "tail_buckets", "speculated_buckets", "rolled_back_buckets", "steps", "skipped_steps"):
         assert isinstance(st[k], int)

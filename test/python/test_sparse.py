@@ -107,9 +107,15 @@ def test_superchip_adamw_refuses_sparse_gradients_as_torch_does():
     opt = superchip.optim.AdamW(emb.parameters(), lr=0.1)
     emb(torch.tensor([1, 2]).to(DEVICE)).sum().backward()
     before = emb.weight.detach().cpu()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+    # It says what to do (found by review: it said only "does not support sparse gradients").
+    with pytest.raises(RuntimeError, match=r"does not step sparse gradients.*sparse=False.*SparseAdam"):
         opt.step()
     assert torch.equal(emb.weight.detach().cpu(), before)
+    # move_to_tier names the layout instead of torch's "Cannot access storage of SparseTensorImpl".
+    with pytest.raises(ValueError, match="strided tensor's storage; this one is torch.sparse_coo"):
+        superchip.move_to_tier(emb.weight.grad, "host")
+    values = emb.weight.grad.coalesce()._values()
+    assert superchip.tier_of(superchip.move_to_tier(values, "host")) == "host"
 
 
 def test_sparse_memory_is_accounted_and_given_back():

@@ -363,6 +363,9 @@ def test_mixed_device_error_names_both_devices():
     msg = str(exc.value)
     assert "Expected all tensors to be on the same device" in msg
     assert "superchip:0" in msg and "cpu" in msg
+    assert "generator" not in msg  # named only where a generator was passed
+    with pytest.raises(RuntimeError, match="use a generator of that device"):
+        torch.normal(torch.ones(3, device=DEVICE), torch.ones(3), generator=torch.Generator())
     with pytest.raises(RuntimeError, match="superchip:0"):
         torch.mm(torch.ones(2, 2), torch.ones(2, 2, device=DEVICE))
 
