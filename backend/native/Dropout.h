@@ -6,7 +6,9 @@
 // lora_dropout, attention and residual dropout) gave other bits than the CPU: its gradient
 // differed on about one element in ten. With the CPU executor this kernel, registered to
 // AutogradPrivateUse1, runs the CPU's composite (autograd records its ops as on the CPU); with
-// the CUDA executor nothing is registered and CUDA's fused kernel runs, as on CUDA.
+// the CUDA executor nothing is registered and CUDA's fused kernel runs, as on CUDA. A compiled
+// graph traces this kernel too, where torch.compile of a CPU model decomposes dropout to
+// native_dropout: compiled superchip then gives eager's bits, not compiled CPU's (bf16/fp16).
 #pragma once
 
 #include <ATen/core/Tensor.h>

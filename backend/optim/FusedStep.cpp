@@ -340,21 +340,7 @@ ops::ThreadPool& optimizer_pool(c10::DeviceIndex device) {
     if (executor() == Executor::kCuda) gpu = executor_device(device < 0 ? current_device() : device).index();
     const NumaNode& node = topo.nodes()[topo.nearest_node(cuda_pci_bus_id(gpu))];
     int threads = static_cast<int>(node.cpus.size());
-    if (const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS"); env != nullptr && *env != '\0') {
-      // A whole number up to 4x the machine's hardware threads. It was read with atoi: "4abc"
-      // ran 4 threads, and 100000 started 100000 (the process stalled with 32k threads, and
-      // the machine with it: found by review).
-      const long most = 4L * std::max(1U, std::thread::hardware_concurrency());
-      char* end = nullptr;
-      errno = 0;
-      const long v = std::strtol(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0' && errno == 0 && v > 0 && v <= most,
-                  "SUPERCHIP_OPTIM_THREADS must be a whole number of threads from 1 to ", most,
-                  " (4x this machine's ", std::max(1U, std::thread::hardware_concurrency()),
-                  " hardware threads); got '", env, "'. Unset it for the cores of the GPU-local "
-                  "NUMA node (", node.cpus.size(), " here).");
-      threads = static_cast<int>(v);
-    }
+    if (const int v = optimizer_threads_from_env(); v > 0) threads = v;
     g_pool = new ops::ThreadPool(std::max(1, threads), node.cpus);
   }
   return *g_pool;
@@ -365,6 +351,21 @@ void optimizer_pool_after_fork_child() {
   // may have held at fork) behind; the next step makes a new one.
   new (&g_pool_mu) std::mutex();
   g_pool = nullptr;
+}
+
+int optimizer_threads_from_env() {
+  const char* env = std::getenv("SUPERCHIP_OPTIM_THREADS");
+  if (env == nullptr || *env == '\0') return 0;
+  // A whole number up to 4x the machine's hardware threads. It was read with atoi: "4abc" ran
+  // 4 threads, and 100000 started 100000 (the process stalled with 32k threads, and the
+  // machine with it: found by review).
+  const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
+  const long most = 4L * hw;
+  const long v = parse_whole_number(env);
+  TORCH_CHECK(v > 0 && v <= most, "SUPERCHIP_OPTIM_THREADS must be a whole number of threads from 1 to ",
+              most, " (4x this machine's ", hw, " hardware threads); got '", env, "'. Unset it for "
+              "the cores of the GPU-local NUMA node.");
+  return static_cast<int>(v);
 }
 
 int optimizer_threads() { return optimizer_pool().num_threads(); }

@@ -147,6 +147,9 @@ ops::ThreadPool& optimizer_pool(c10::DeviceIndex device = -1);
 void optimizer_pool_after_fork_child();
 // Threads of the optimizer pool (SUPERCHIP_OPTIM_THREADS, or the cores of the GPU-local node).
 int optimizer_threads();
+// SUPERCHIP_OPTIM_THREADS: 0 when unset, else a thread count from 1 to 4x the hardware threads;
+// raises naming the variable when it is malformed (superchip's _init calls it at import).
+int optimizer_threads_from_env();
 // The SIMD path the kernels take (SUPERCHIP_SIMD forces one).
 const char* optimizer_simd_path();
 

@@ -103,6 +103,7 @@ PYBIND11_MODULE(_C, m) {
     (void)executor();  // raises here, as a Python error, when SUPERCHIP_EXECUTOR is invalid
     check_environment();  // and the other variables read at start-up (runtime/Runtime.h)
     WeightStreamer::check_environment();
+    (void)optimizer_threads_from_env();
     return register_executor_kernels();
   });
   m.def("_executor", [] { return std::string(executor_name(executor())); });

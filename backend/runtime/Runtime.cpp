@@ -107,11 +107,8 @@ namespace {
 // read with strtol and clamped, so "abc", "0" and "-1" gave one device and "2abc" two, with
 // no word: a torchrun job then had fewer devices than local ranks (found by review).
 long emulated_device_count(const std::string& text) {
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(text.c_str(), &end, 10);
-  if (end == text.c_str() || *end != '\0' || errno != 0 || v < 1 || v > kMaxDevices) return 0;
-  return v;
+  const long v = parse_whole_number(text);
+  return v >= 1 && v <= kMaxDevices ? v : 0;
 }
 }  // namespace
 
@@ -131,6 +128,7 @@ c10::DeviceIndex device_count() noexcept {
 }
 
 void check_environment() {
+  if (executor() == Executor::kCuda) return;  // the GPUs are the devices
   const std::string n = env_or("SUPERCHIP_DEVICE_COUNT", "1");
   TORCH_CHECK(emulated_device_count(n) > 0, "SUPERCHIP_DEVICE_COUNT must be a whole number of "
               "emulated superchip devices from 1 to ", kMaxDevices, "; got '", n, "'. Unset it for one "
@@ -164,6 +162,18 @@ c10::DeviceIndex resolve_device(c10::DeviceIndex index) {
   if (index < 0) return current_device();
   check_device_index(index);
   return index;
+}
+
+long parse_whole_number(const std::string& text) {
+  size_t first = 0, last = text.size();  // spaces around it, a CR from a CRLF env file
+  while (first < last && std::isspace(static_cast<unsigned char>(text[first]))) ++first;
+  while (last > first && std::isspace(static_cast<unsigned char>(text[last - 1]))) --last;
+  const std::string digits = text.substr(first, last - first);
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(digits.c_str(), &end, 10);
+  if (digits.empty() || end == digits.c_str() || *end != '\0' || errno != 0) return -1;
+  return v;
 }
 
 size_t parse_bytes(const std::string& text, const char* what) {

@@ -10,6 +10,7 @@ device module ``torch.superchip`` and the generated ``Tensor.superchip()`` /
 
 from __future__ import annotations
 
+import operator as _operator
 import weakref
 
 import torch
@@ -171,10 +172,12 @@ def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
     if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided and tensor.device.type == "superchip":
         # A sparse or nested tensor has no single storage (torch's "Cannot access storage of
         # SparseTensorImpl" was the message: found by review).
+        parts = ("t.values() (the jagged nested tensor's one buffer)" if tensor.is_nested else
+                 "t._indices() and t._values()" if tensor.layout == torch.sparse_coo else
+                 "t.values() and its index tensors")
         raise ValueError(
             f"move_to_tier moves a strided tensor's storage; this one is {tensor.layout}. Move its "
-            "parts (a sparse COO tensor's t._indices() and t._values(), a compressed one's "
-            "values()) or a dense copy (t.to_dense()) instead.")
+            f"parts instead: {parts}.")
     _C._move_to_tier(tensor, tier)
     return tensor
 
@@ -202,10 +205,17 @@ def set_capacity(tier: str, nbytes: int | str, device=None) -> None:
         raise ValueError(f"tier must be 'hbm' or 'host', got {tier!r}")
     if isinstance(nbytes, str):
         nbytes = _C._parse_bytes(nbytes, "set_capacity's nbytes")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or (
-            isinstance(nbytes, float) and not nbytes.is_integer()):
+    whole = None
+    if not isinstance(nbytes, bool):
+        try:
+            whole = _operator.index(nbytes)  # int, numpy's integers, a 0-dim integer tensor
+        except TypeError:
+            if isinstance(nbytes, float) and nbytes.is_integer():
+                whole = int(nbytes)
+    if whole is None:
         raise TypeError(f"set_capacity's nbytes must be a whole number of bytes or a string such "
                         f"as '8G' (0 = unlimited), got {nbytes!r}")
+    nbytes = whole
     if not 0 <= int(nbytes) < 2**63:
         raise ValueError(f"set_capacity's nbytes must be from 0 (unlimited) to 2^63 - 1 bytes, got "
                          f"{int(nbytes)}")

@@ -230,6 +230,15 @@ def test_a_malformed_variable_is_refused_with_what_it_accepts(var, value, accept
     assert "frame #" not in res.stderr, res.stderr[-2000:]
 
 
+def test_whole_number_variables_take_spaces_around_them():
+    # A value from a CRLF env file ends in "\r": it read as 2 before the strict parsing, and
+    # must still (found by review of that parsing).
+    res = run_python("import torch, superchip; print(torch.superchip.device_count())",
+                     env={"SUPERCHIP_DEVICE_COUNT": " 2\r", "SUPERCHIP_OPTIM_THREADS": "1 ",
+                          "SUPERCHIP_EXECUTOR": "cpu"})
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "2", res.stderr[-2000:]
+
+
 def test_python_m_superchip_info():
     res = subprocess.run([sys.executable, "-m", "superchip", "info"], capture_output=True,
                          text=True, timeout=120)

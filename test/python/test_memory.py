@@ -15,6 +15,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -279,6 +280,8 @@ def test_set_capacity_reported_and_validated(hbm_capacity):
     assert stats()["hbm.capacity_bytes"] == 0
     # The environment variable's forms, and clear errors for what is not a byte count (found by
     # review: "8G" raised int()'s error, 2**70 pybind's "incompatible function arguments").
+    superchip.set_capacity("hbm", np.int64(MiB) * 768)  # numpy's integers, as int() took them
+    assert stats()["hbm.capacity_bytes"] == 768 * MiB
     superchip.set_capacity("hbm", "1.5G")
     assert stats()["hbm.capacity_bytes"] == 3 * 512 * MiB
     for bad, err in [(None, TypeError), (1.5, TypeError), (True, TypeError), (2**70, ValueError),

@@ -116,6 +116,10 @@ def test_superchip_adamw_refuses_sparse_gradients_as_torch_does():
         superchip.move_to_tier(emb.weight.grad, "host")
     values = emb.weight.grad.coalesce()._values()
     assert superchip.tier_of(superchip.move_to_tier(values, "host")) == "host"
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged).to(DEVICE)
+    with pytest.raises(ValueError, match=r"torch.jagged.*t.values\(\)"):
+        superchip.move_to_tier(nt, "host")
+    assert superchip.tier_of(superchip.move_to_tier(nt.values(), "host")) == "host"
 
 
 def test_sparse_memory_is_accounted_and_given_back():
