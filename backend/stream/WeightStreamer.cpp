@@ -218,8 +218,9 @@
 // is idle (no weight read recorded yet, so no plan and no move) do not count: transformers 5
 // loads a checkpoint with four threads copying onto the device, and from_pretrained(...,
 // device_map="superchip") turned streaming off, in 3 runs of 4, for the training after it
-// (found by review). An operator of such a thread still running when the training thread's
-// reads have been recorded and planned (two passes later) would meet the plan's first move.
+// (found by review). Such a thread still inside an operator once the training thread's reads
+// have begun is counted at the training thread's next operator, long before a plan (two
+// passes later) moves anything.
 //
 // Note [Staged copies and writes]
 // A staged copy is used only when no write to its weight began after the copy was issued.
