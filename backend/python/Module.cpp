@@ -47,6 +47,18 @@ void check_superchip(const at::Tensor& t, const char* fn) {
               ". Move it with .to('superchip') first.");
 }
 
+// The storage behind a superchip tensor, for the tier calls. A tensor subclass that wraps
+// others (made by _make_wrapper_subclass) has none: reading it crashed the process (a DTensor,
+// found by review; Python's tier_of/move_to_tier pass a DTensor's local shard).
+c10::StorageImpl& storage_of(const at::Tensor& t, const char* fn) {
+  check_superchip(t, fn);
+  c10::StorageImpl* s = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  TORCH_CHECK(s != nullptr && (s->data() != nullptr || s->nbytes() == 0), fn, ": this tensor "
+              "has no storage of its own (a tensor subclass that wraps others?). "
+              "Pass the tensor that holds its bytes (a DTensor's to_local()).");
+  return *s;
+}
+
 py::dict memory_stats(c10::DeviceIndex device) {
   MemoryManager& m = memory(resolve_device(device));
   py::dict d;
@@ -152,14 +164,12 @@ PYBIND11_MODULE(_C, m) {
     memory(resolve_device(static_cast<c10::DeviceIndex>(device))).check_invariants();
   });
   m.def("_tier_of", [](const at::Tensor& t) {
-    check_superchip(t, "superchip.tier_of");
-    return std::string(tier_name(storage_tier(*t.storage().unsafeGetStorageImpl())));
+    return std::string(tier_name(storage_tier(storage_of(t, "superchip.tier_of"))));
   });
   m.def("_move_to_tier", [](const at::Tensor& t, const std::string& tier) {
-    check_superchip(t, "superchip.move_to_tier");
+    c10::StorageImpl& storage = storage_of(t, "superchip.move_to_tier");
     const Tier target = tier_arg(tier);
     py::gil_scoped_release no_gil;
-    c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
     // A quiet attempt first, so an out-of-memory error is counted (num_ooms) only when one
     // is raised (it counted two for one error).
     if (!try_move_storage_to_tier(storage, target)) {

@@ -11,6 +11,7 @@ device module ``torch.superchip`` and the generated ``Tensor.superchip()`` /
 from __future__ import annotations
 
 import operator as _operator
+import sys as _sys
 import weakref
 
 import torch
@@ -158,16 +159,30 @@ def memory_stats(device=None) -> dict:
     return _C._memory_stats(_index(device))
 
 
+def _holder(tensor):
+    """The tensor whose storage holds ``tensor``'s bytes: a DTensor's local shard (FSDP2's
+    parameters, superchip.optim's sharded state), else the tensor itself. A DTensor has no
+    storage of its own: move_to_tier of one crashed the process, and superchip.optim does that
+    to its sharded state after load_state_dict under FSDP2 (found by review)."""
+    dt = _sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    if dt is not None and isinstance(tensor, dt.DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
 def tier_of(tensor: torch.Tensor) -> str:
-    """The tier (``"hbm"`` or ``"host"``) holding the bytes of a superchip tensor."""
-    return _C._tier_of(tensor)
+    """The tier (``"hbm"`` or ``"host"``) holding the bytes of a superchip tensor (of a
+    DTensor's local shard)."""
+    return _C._tier_of(_holder(tensor))
 
 
 def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
     """Moves the storage of ``tensor`` to ``tier`` in place and returns ``tensor``.
 
     Every view of the storage, module parameter and optimizer reference follows; the tensor
-    object stays the same. On error (e.g. the tier is full) nothing changes.
+    object stays the same. On error (e.g. the tier is full) nothing changes. Of a DTensor (an
+    FSDP2 parameter), this rank's local shard moves.
     """
     if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided and tensor.device.type == "superchip":
         # A sparse or nested tensor has no single storage (torch's "Cannot access storage of
@@ -178,7 +193,7 @@ def move_to_tier(tensor: torch.Tensor, tier: str) -> torch.Tensor:
         raise ValueError(
             f"move_to_tier moves a strided tensor's storage; this one is {tensor.layout}. Move its "
             f"parts instead: {parts}.")
-    _C._move_to_tier(tensor, tier)
+    _C._move_to_tier(_holder(tensor), tier)
     return tensor
 
 

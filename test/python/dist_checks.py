@@ -705,6 +705,34 @@ def check_fsdp2_superchip_optim():
     assert_params(params_cpu(ce_model), params_cpu(cp_model), "FSDP2 + clipping + engine vs overlap=False")
 
 
+def check_fsdp2_optimizer_state_dict_roundtrip():
+    # superchip.optim.load_state_dict under FSDP2 hands the engine DTensor state, which it places
+    # in host with move_to_tier: a DTensor there (no storage of its own) crashed every rank with
+    # a segmentation fault at the next step (found by review). Now a DTensor's local shard moves.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    model, opt = train_fsdp(DEV, steps=2, optim="superchip", clip=False)
+    model2 = shard(mlp(seed=3).to(DEV), init_device_mesh(DEV.type, (WORLD,)))
+    model2.load_state_dict(model.state_dict())
+    opt2 = superchip.optim.AdamW(model2.parameters(), lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    for x, y in batches(2, DEV, seed=7):
+        for m, o in ((model, opt), (model2, opt2)):
+            F.mse_loss(m(x).float(), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_params(params_cpu(model2), params_cpu(model), "FSDP2 + superchip.optim resumed by load_state_dict")
+    for p in model2.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(opt2.state[p][key], DTensor) and superchip.tier_of(opt2.state[p][key]) == "host"
+    # The public calls on an FSDP2 parameter act on this rank's shard.
+    p = next(model2.parameters())
+    assert isinstance(p, DTensor) and superchip.tier_of(p) == "hbm"
+    assert superchip.move_to_tier(p, "host") is p
+    assert superchip.tier_of(p) == "host" and superchip.tier_of(p.to_local()) == "host"
+
+
 def check_fsdp2_bf16_reload():
     # Note [A written parameter is its master's new value] (optim.py) for FSDP2's sharded
     # parameters: weights loaded with set_model_state_dict after some steps were overwritten by
@@ -841,7 +869,7 @@ GROUPS = {
                     "collective_writes_streamed_weight", "collective_writes_a_parameter",
                     "functional_collectives", "other_backend_strings", "device_id_and_split"],
     "training": ["ddp", "ddp_superchip_optim", "ddp_engine", "fsdp2", "fsdp2_superchip_optim",
-                 "fsdp2_bf16_reload", "dcp_roundtrip", "dtensor_random_init", "ulysses"],
+                 "fsdp2_optimizer_state_dict_roundtrip", "fsdp2_bf16_reload", "dcp_roundtrip", "dtensor_random_init", "ulysses"],
     "three_ranks": ["ddp_engine"],  # launched on 3 ranks (test_distributed.py)
 }
 

@@ -487,6 +487,25 @@ def test_cached_blocks_are_freed_before_oom(hbm_capacity):
     del b
 
 
+def test_tier_calls_on_a_tensor_without_storage_say_so():
+    # A wrapper subclass (DTensor is one) has no storage of its own: tier_of/move_to_tier of
+    # one read a null storage and crashed the process (found by review, with FSDP2).
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    w = Wrapper(torch.ones(1000, device=DEVICE))
+    with pytest.raises(RuntimeError, match="tier_of: this tensor has no storage of its own"):
+        superchip.tier_of(w)
+    with pytest.raises(RuntimeError, match="move_to_tier: this tensor has no storage of its own"):
+        superchip.move_to_tier(w, "host")
+
+
 def test_oom_in_move_to_tier_leaves_tensor_in_place(hbm_capacity):
     used = stats()["hbm.allocated_bytes"]
     t = torch.arange(MiB // 2, dtype=torch.float32, device=DEVICE)  # 2 MiB
