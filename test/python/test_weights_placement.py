@@ -1376,6 +1376,40 @@ def test_a_weight_copied_onto_itself_past_the_limit_keeps_its_values():
     assert r["past"] and r["same"], r
 
 
+def test_decoding_at_a_quarter_of_the_weights_takes_its_staging_arena():
+    # The staging arena is one block, which the allocator rounds up to 128 KiB past 1 MiB; at
+    # 1/4 of a tiny GPT-2's weights the rounding passed the plan's margin and the arena was
+    # never taken: every copy a block of its own, remapped under the budget (512 page faults
+    # a token, 0.39 of all-in-hbm's tokens/s; found by review). The arena is now taken at its
+    # budget rounded down, which holds the largest streamed read.
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(vocab_size=256, n_embd=256, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
+               eos_token_id=1, bos_token_id=2)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    r = _run(f"""
+        import copy
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        cpu = GPT2LMHeadModel(GPT2Config(**{cfg!r})).eval()
+        dev = copy.deepcopy(cpu).to("superchip")
+        ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+        kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want = cpu.generate(ids, **kw)
+            got = [dev.generate(ids.to("superchip"), **kw).cpu() for _ in range(2)]
+        plan = superchip.weights_plan()
+        stats = superchip.memory_stats()
+        print(json.dumps(dict(same=all(torch.equal(g, want) for g in got), state=plan["state"],
+                              budget=plan["staging_budget"], hbm=stats["hbm.allocated_bytes"],
+                              capacity=stats["hbm.capacity_bytes"], streamed=plan["streamed_bytes"],
+                              peak=stats["hbm.peak_allocated_bytes"])))
+    """, hbm=str(nbytes // 4))
+    assert r["same"] and r["state"] == "streaming" and r["streamed"] > 0, r
+    assert 0 < r["budget"] <= r["hbm"] <= r["capacity"], r  # the arena is held in hbm
+    assert r["peak"] <= r["capacity"], r
+
+
 def test_threads_that_load_a_model_together_leave_streaming_on():
     # transformers 5's from_pretrained(..., device_map="superchip") copies checkpoint tensors
     # onto the device from four threads; overlapping there turned streaming off, 3 runs in 4,
