@@ -518,12 +518,11 @@ int64_t align_up(int64_t v) { return (v + kWindowAlign - 1) / kWindowAlign * kWi
 int64_t step_window_bytes() {
   const char* env = std::getenv("SUPERCHIP_STEP_WINDOW_BYTES");
   if (env == nullptr || *env == '\0') return kDefaultWindowBytes;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK(end != env && *end == '\0' && v >= kMinWindowBytes,
-              "SUPERCHIP_STEP_WINDOW_BYTES must be a whole number of bytes, at least ", kMinWindowBytes,
-              "; got '", env, "'. Unset it for the default (", kDefaultWindowBytes, ").");
-  return static_cast<int64_t>(v);
+  // The forms of the tier budgets (bytes, 64M, 1G), read the same way.
+  const size_t v = parse_bytes(env, "SUPERCHIP_STEP_WINDOW_BYTES");
+  TORCH_CHECK(v >= static_cast<size_t>(kMinWindowBytes), "SUPERCHIP_STEP_WINDOW_BYTES must be at least ",
+              kMinWindowBytes, " bytes; got '", env, "'. Unset it for the default (64M).");
+  return static_cast<int64_t>(v);  // parse_bytes refuses 2^63 and more
 }
 
 // `n` elements of `dtype` at element offset `offset` of `storage`: a superchip tensor made

@@ -1163,7 +1163,7 @@ def run(case, overlap, window=None, host_room=None):
 results = {}
 for case in ("adamw", "adamw-bf16", "sgd", "sgd-bf16"):
     for overlap in (False, True):
-        whole, windowed = run(case, overlap), run(case, overlap, window=4096)
+        whole, windowed = run(case, overlap), run(case, overlap, window="4K")
         r = dict(placed=whole["placed"], staged=whole["staged"],
                  whole_peaks=whole["peaks"][1:], window_peaks=windowed["peaks"][1:],
                  same=all(torch.equal(a, b) for a, b in zip(whole["params"], windowed["params"])))
@@ -1179,7 +1179,19 @@ for case in ("adamw", "adamw-bf16", "sgd", "sgd-bf16"):
                      none_error=none["error"], none_unchanged=none.get("unchanged"),
                      none_same=all(torch.equal(a, b) for a, b in zip(whole["params"], none["params"])))
         results[f"{case}/{'engine' if overlap else 'plain'}"] = r
-print(json.dumps(results))
+bad = {}
+for value in ("100", "64Q", "-1"):
+    os.environ["SUPERCHIP_STEP_WINDOW_BYTES"] = value
+    m = torch.nn.Linear(4, 4).to("superchip")
+    o = superchip.optim.SGD(m.parameters(), lr=0.1, overlap=False)
+    m(torch.ones(2, 4, device="superchip")).sum().backward()
+    w = m.weight.detach().clone()
+    try:
+        o.step()
+        bad[value] = None
+    except RuntimeError as e:
+        bad[value] = [str(e).splitlines()[0], torch.equal(w, m.weight)]
+print(json.dumps(dict(results=results, bad=bad)))
 """
 
 
@@ -1201,7 +1213,8 @@ def test_the_step_stages_hbm_operands_through_a_bounded_window():
                PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
     r = run_python(_WINDOW_SCRIPT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
-    results = json.loads(r.stdout.strip().splitlines()[-1])
+    printed = json.loads(r.stdout.strip().splitlines()[-1])
+    results = printed["results"]
     assert len(results) == 8
     for name, out in results.items():
         assert out["placed"], (name, out)
@@ -1215,6 +1228,12 @@ def test_the_step_stages_hbm_operands_through_a_bounded_window():
             assert out["short_same"], (name, out)
             assert "staging window" in out["none_error"] and "Nothing was stepped" in out["none_error"], (name, out)
             assert out["none_unchanged"] and out["none_same"], (name, out)
+    # "4K" above is the tier budgets' form; a value under 4 KiB or not a byte count is refused
+    # by the step, before anything is written.
+    for value, (message, unchanged) in printed["bad"].items():
+        assert "SUPERCHIP_STEP_WINDOW_BYTES" in message and value in message, (value, message)
+        assert unchanged, value
+    assert "at least 4096" in printed["bad"]["100"][0], printed["bad"]
 
 
 _TAIL_SCRIPT = """
