@@ -422,6 +422,16 @@ struct WeightStreamer::Impl {
   };
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
+  // Note [Dead batches leave at once]: an entry's weak pointer keeps its dead StorageImpl (a
+  // small heap object) allocated until the entry goes. Left for the purge of the whole map
+  // (past 1024 entries), a loop copying a fresh float batch to the device per call left one
+  // between each pair of its freed batch buffers on the CPU heap: an inference loop of 2 MiB
+  // batches grew its RSS by 2 MiB a call up to ~2 GiB (the freed buffers split and unusable
+  // until malloc_trim), with superchip's own statistics flat. Each mark checks the last
+  // kRecentMarks marked storages and forgets the dead ones, so a batch's entry goes a few
+  // calls after the batch.
+  static constexpr size_t kRecentMarks = 8;
+  std::array<const c10::StorageImpl*, kRecentMarks> recent_marks{};
   uint64_t marks = 0;      // weights marked so far
   uint64_t rec_marks = 0;  // `marks` when recording began
   size_t young_streak = 0;  // reads in a row of weights marked since then
@@ -1298,17 +1308,26 @@ struct WeightStreamer::Impl {
     return true;
   }
 
+  // Erases `it` if its storage died. Its address may be reused then: what was seen of it
+  // (read outside the plan, read by rows) goes too.
+  bool forget_if_dead(std::unordered_map<const c10::StorageImpl*, Weight>::iterator& it) {
+    if (!it->second.weak.expired()) return false;
+    unknown_seen.erase(it->first);
+    rows_read.erase(it->first);
+    it = weights.erase(it);
+    return true;
+  }
+
   void maybe_purge_weights() {
+    // Note [Dead batches leave at once]
+    for (const c10::StorageImpl*& s : recent_marks) {
+      if (s == nullptr) continue;
+      auto it = weights.find(s);
+      if (it == weights.end() || forget_if_dead(it)) s = nullptr;
+    }
     if (weights.size() < purge_at) return;
     for (auto it = weights.begin(); it != weights.end();) {
-      if (it->second.weak.expired()) {
-        // Its address may be reused now: forget it was read outside the plan, too.
-        unknown_seen.erase(it->first);
-        rows_read.erase(it->first);
-        it = weights.erase(it);
-      } else {
-        ++it;
-      }
+      if (!forget_if_dead(it)) ++it;
     }
     purge_at = std::max<size_t>(1024, weights.size() * 2);
   }
@@ -1367,6 +1386,7 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
         &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
                                ++impl_->marks});
+    impl_->recent_marks[impl_->marks % Impl::kRecentMarks] = &storage;
     // Note [Inputs are not weights]: a model's weight is not young.
     if (of_model && impl_->state == State::kRecording) {
       impl_->forget_loop();
