@@ -12,7 +12,6 @@
 #include "allocator/HostMemory.h"
 #include "allocator/Topology.h"
 #include "backend/distributed/ProcessGroupSccl.h"
-#include "backend/engine/OffloadEngine.h"
 #include "backend/native/Forward.h"
 #include "backend/optim/FusedStep.h"
 #include "ops/cpu/Bandwidth.h"
@@ -123,12 +122,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_current_device", [] { return static_cast<int>(current_device()); });
   m.def("_set_device", [](int i) { set_current_device(static_cast<c10::DeviceIndex>(i)); });
   m.def("_memory_stats", [](int device) { return memory_stats(static_cast<c10::DeviceIndex>(device)); });
-  m.def("_empty_cache", [] {
-    // Jobs of the offload engine that have run hold their bucket's tensors until a caller
-    // releases them (the next operator does): a deleted model's memory is unused now.
-    OffloadEngine::get().release_finished();
-    superchip_allocator().emptyCache();
-  });
+  // The engine's finished jobs and the streamer's staged copies too (SuperchipAllocator::emptyCache).
+  m.def("_empty_cache", [] { superchip_allocator().emptyCache(); });
   m.def("_reset_peak_memory_stats", [](int device) {
     memory(resolve_device(static_cast<c10::DeviceIndex>(device))).reset_peak();
   });

@@ -89,7 +89,6 @@ void bind_stream(py::module& m) {
   // need the GIL (see _engine_wait_inputs).
   m.def("_stream_apply", [] { return WeightStreamer::get().apply(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_stream_replan", [] { WeightStreamer::get().replan(); });
-  m.def("_stream_release", [] { WeightStreamer::get().release_staging(); });
 }
 
 }  // namespace superchip

@@ -642,6 +642,12 @@ size_t release_cached_memory_for_executor(c10::DeviceIndex device) noexcept {
 }
 
 void SuperchipAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
+  // What torch.superchip.empty_cache() frees, whoever asks (torch.accelerator.empty_cache(),
+  // accelerate's free_memory): the tensors of the offload engine's finished jobs (held until a
+  // caller releases them), the weight streamer's unused staged copies and a deleted model's
+  // staging arena; then every tier's cached blocks.
+  if (!OffloadEngine::on_worker()) OffloadEngine::get().release_finished();
+  WeightStreamer::get().release_staging();
   retire_pending_frees();
   for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
     if (MemoryManager* m = memory_if_created(i)) m->empty_cache();

@@ -9,6 +9,7 @@
 #include <set>
 #include <utility>
 
+#include "backend/engine/OffloadEngine.h"
 #include "backend/runtime/Runtime.h"
 #include "backend/runtime/SuperchipAllocator.h"
 
@@ -189,6 +190,12 @@ void SuperchipGuardImpl::synchronizeEvent(void* event) const {
 }
 
 void SuperchipGuardImpl::synchronizeDevice(c10::DeviceIndex device_index) const {
+  // The device's work includes the offload engine's queued optimizer steps: every caller
+  // (torch.accelerator.synchronize(), device-generic timers, accelerate) waits for them, as
+  // torch.superchip.synchronize() does, and gets a failed bucket's error. torch calls this
+  // without the GIL, which a job may need. Not from the engine's worker (it would wait for
+  // itself).
+  if (!OffloadEngine::on_worker()) OffloadEngine::get().synchronize();
   if (on_cuda()) cuda_guard()->synchronizeDevice(device_index);
 }
 

@@ -202,7 +202,6 @@ def empty_cache() -> None:
 
     A deleted model's weight-streaming plan goes too, with the staging arena it held in hbm.
     """
-    _C._stream_release()
     _C._empty_cache()
 
 

@@ -56,8 +56,7 @@ class device:  # noqa: N801  (mirrors torch.cuda.device)
 
 def synchronize(device=None) -> None:
     """Waits for the executor and for every queued optimizer step (the offload engine)."""
-    _C._engine_synchronize()
-    _C._synchronize(_index(device))
+    _C._synchronize(_index(device))  # the device guard's synchronizeDevice: the engine too
 
 
 def _is_in_bad_fork() -> bool:
@@ -216,8 +215,8 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
 
 
 def empty_cache() -> None:
-    # As superchip.empty_cache: staged weight copies (and a deleted model's staging arena) too.
-    _C._stream_release()
+    # As superchip.empty_cache and torch.accelerator.empty_cache: staged weight copies (and a
+    # deleted model's staging arena) too.
     _C._empty_cache()
 
 
@@ -252,6 +251,13 @@ def __getattr__(name: str):
 def is_initialized() -> bool:
     """Whether the runtime is set up; it is as soon as ``superchip`` is imported."""
     return True
+
+
+def _lazy_init() -> None:
+    """torch's lazy device initialization (``device_lazy_init``) calls this at the first
+    superchip tensor and only then marks the device initialized; torch versions whose
+    ``torch.accelerator.synchronize()`` skips a device not marked so would return at once.
+    Nothing is left to set up: the runtime is ready at import."""
 
 
 def _device_of(device) -> torch.device:

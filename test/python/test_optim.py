@@ -596,6 +596,29 @@ def test_a_queued_steps_error_is_its_optimizers_own(monkeypatch):
     assert a.state[w]["step"].item() == 1 and c.state[w2]["step"].item() == 1
 
 
+def test_torch_accelerator_synchronize_waits_for_the_engine(monkeypatch):
+    # torch.accelerator.synchronize() (device-generic timers, accelerate) reaches the device
+    # guard's synchronizeDevice, which did not wait for the offload engine: it returned with
+    # the optimizer's steps still queued. Now it is torch.superchip.synchronize(): the queued
+    # steps have run (a queued job that cannot stage its operands fails, and its error is
+    # raised there, once).
+    monkeypatch.setenv("SUPERCHIP_SPECULATION", "never")
+    u, v, w, loss = _strided_params()
+    opt = superchip.optim.AdamW([w], lr=1e-2, bucket_bytes=1 << 30)
+    loss().backward()
+    opt._prepare_state([w])
+    restore = _cut_both_tiers(64 * 1024)
+    try:
+        opt.step()  # queued; its job cannot stage w (not contiguous) in the cut tiers
+        with pytest.raises(torch.OutOfMemoryError, match="That bucket was not stepped"):
+            torch.accelerator.synchronize()
+    finally:
+        restore()
+    torch.accelerator.synchronize()  # raised once
+    assert opt.offload_stats()["failed_buckets"] == 1
+    assert opt.state[w]["step"].item() == 0
+
+
 def test_an_engine_stopped_with_a_failed_step_stops_and_raises_at_the_next_step(monkeypatch):
     # add_param_group with a CPU parameter turns a default engine off (stop()); its wait raised
     # a failed step's error before the hooks were removed and overlap turned off, and the
