@@ -314,21 +314,28 @@ def set_stream(stream: torch.Stream) -> None:
 
 
 class StreamContext:
-    """``with torch.superchip.stream(s):`` makes ``s`` the current stream of its device."""
+    """``with torch.superchip.stream(s):`` makes ``s`` the current stream of its device (and its
+    device current); on exit the stream of each device and the current device are back, as with
+    ``torch.cuda.stream``."""
 
     def __init__(self, stream):
         self.stream = stream
-        self.prev = None
+        self.src_prev = self.dst_prev = None
 
     def __enter__(self):
         if self.stream is not None:
-            self.prev = torch.accelerator.current_stream(self.stream.device)
-            torch.accelerator.set_stream(self.stream)
+            self.src_prev = torch.accelerator.current_stream()  # the current device's
+            if self.stream.device != self.src_prev.device:
+                self.dst_prev = torch.accelerator.current_stream(self.stream.device)
+            torch.accelerator.set_stream(self.stream)  # makes its device current
         return self.stream
 
     def __exit__(self, *exc):
-        if self.prev is not None:
-            torch.accelerator.set_stream(self.prev)
+        if self.src_prev is not None:
+            if self.dst_prev is not None:
+                torch.accelerator.set_stream(self.dst_prev)
+            torch.accelerator.set_stream(self.src_prev)  # and the device from before
+            self.src_prev = self.dst_prev = None
         return False
 
 

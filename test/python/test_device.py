@@ -158,6 +158,16 @@ def test_multi_device_semantics_in_subprocess():
         s = superchip.memory_stats("superchip:2")
         assert s["hbm.allocated_bytes"] > 0, s
         assert superchip.memory_stats(1)["hbm.allocated_bytes"] > 0
+        # A stream of another device: current inside the block with its device, and after it
+        # the device from before and each device's stream are back (as torch.cuda.stream; the
+        # device of the stream stayed current, and device='superchip' landed there).
+        s1, s1_before = torch.superchip.Stream(device=1), torch.superchip.current_stream(1)
+        with torch.superchip.stream(s1):
+            assert torch.superchip.current_device() == 1
+            assert torch.superchip.current_stream() == s1
+        assert torch.superchip.current_device() == 0
+        assert torch.superchip.current_stream(1) == s1_before
+        assert torch.ones(1, device="superchip").device.index == 0
         print("OK")
     """)
     # Three emulated devices: the CPU executor (the CUDA executor counts the GPUs there are).
