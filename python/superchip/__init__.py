@@ -80,6 +80,37 @@ def _superchip_getitem(self, *args, **kwargs):
 
 torch.UntypedStorage._write_file = _superchip_write_file
 torch.UntypedStorage.__getitem__ = _superchip_getitem
+
+# Note [DLPack]
+# A DLPack capsule of a superchip tensor (device type kDLExtDev, as torch exports PrivateUse1)
+# hands its bytes to a consumer past the operators: __dlpack__ waits for the storage's pending
+# optimizer step first, as the serializer above does. torch's __dlpack_device__ names
+# PrivateUse1 only under its default name ("privateuse1"), so torch.from_dlpack(t) raised
+# "Unknown device type superchip for Dlpack" where a CUDA tensor gives an alias (found by
+# review): superchip tensors answer kDLExtDev and their index.
+import functools as _functools  # noqa: E402
+
+_dlpack = torch.Tensor.__dlpack__
+_dlpack_device = torch.Tensor.__dlpack_device__
+
+
+@_functools.wraps(_dlpack)
+def _superchip_dlpack(self, *args, **kwargs):
+    if self.device.type == "superchip" and not torch.overrides.has_torch_function_unary(self):
+        _C._engine_wait_storage(self.untyped_storage())
+    return _dlpack(self, *args, **kwargs)
+
+
+@_functools.wraps(_dlpack_device)
+def _superchip_dlpack_device(self):
+    if self.device.type == "superchip" and not torch.overrides.has_torch_function_unary(self):
+        from torch.utils.dlpack import DLDeviceType
+        return (DLDeviceType.kDLExtDev, self.device.index if self.device.index is not None else 0)
+    return _dlpack_device(self)
+
+
+torch.Tensor.__dlpack__ = _superchip_dlpack
+torch.Tensor.__dlpack_device__ = _superchip_dlpack_device
 from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)

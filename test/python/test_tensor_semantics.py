@@ -426,3 +426,24 @@ def test_sending_a_superchip_tensor_to_another_process_says_what_to_do():
             ForkingPickler.dumps(obj)
     cpu = pickle.loads(ForkingPickler.dumps(torch.arange(4.0)))  # CPU tensors as before
     assert torch.equal(cpu, torch.arange(4.0))
+
+
+def test_dlpack_gives_an_alias_as_for_cuda():
+    # Note [DLPack] (superchip/__init__.py): torch.from_dlpack(t) raised "Unknown device type
+    # superchip for Dlpack" (torch's __dlpack_device__ knows PrivateUse1 only by its default
+    # name); a CUDA tensor gives an alias. The capsule waits for a pending optimizer step.
+    from torch.utils.dlpack import DLDeviceType
+    x = torch.arange(6.0).to("superchip").view(2, 3)
+    assert x.__dlpack_device__() == (DLDeviceType.kDLExtDev, 0)
+    y = torch.from_dlpack(x)
+    assert y.device == x.device and y.data_ptr() == x.data_ptr() and y.shape == x.shape
+    y.add_(1)
+    assert torch.equal(x.cpu(), torch.arange(1.0, 7.0).view(2, 3))
+    lin = torch.nn.Linear(64, 64).to("superchip")
+    opt = superchip.optim.SGD(lin.parameters(), lr=0.5)
+    before = lin.weight.detach().cpu()
+    lin(torch.ones(4, 64, device="superchip")).sum().backward()
+    opt.step()
+    seen = torch.from_dlpack(lin.weight.detach()).cpu()
+    torch.superchip.synchronize()
+    assert not torch.equal(seen, before) and torch.equal(seen, lin.weight.detach().cpu())
