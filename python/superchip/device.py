@@ -54,6 +54,15 @@ class device:  # noqa: N801  (mirrors torch.cuda.device)
         return False
 
 
+class device_of(device):  # noqa: N801  (mirrors torch.cuda.device_of)
+    """Context manager that makes the device of ``obj`` (a tensor or storage) current; a no-op
+    for objects not on superchip."""
+
+    def __init__(self, obj):
+        on = getattr(obj, "device", None)
+        super().__init__(on.index if on is not None and on.type == "superchip" and on.index is not None else -1)
+
+
 def synchronize(device=None) -> None:
     """Waits for the executor and for every queued optimizer step (the offload engine)."""
     _C._synchronize(_index(device))  # the device guard's synchronizeDevice: the engine too
@@ -196,9 +205,46 @@ def get_device_name(device=None) -> str:
     "superchip (emulated, CPU executor)"."""
     idx = _index(device)
     idx = current_device() if idx < 0 else idx
+    _C._memory_stats(idx)  # an index past device_count() raises, as get_device_properties does
     if _C._executor() == "cuda":
         return f"superchip ({torch.cuda.get_device_name(idx)})"
     return "superchip (emulated, CPU executor)"
+
+
+def get_device_capability(device=None) -> tuple:
+    """The GPU's compute capability ``(major, minor)`` with the CUDA executor, as
+    ``torch.cuda.get_device_capability``; the CPU executor has none (a RuntimeError)."""
+    idx = _index(device)
+    idx = current_device() if idx < 0 else idx
+    _C._memory_stats(idx)  # an index past device_count() raises
+    if _C._executor() != "cuda":
+        raise RuntimeError("superchip with the CPU executor (emulated) has no compute capability; "
+                           "check torch.superchip.get_device_properties().executor first, or "
+                           "torch.superchip.is_bf16_supported() for bfloat16.")
+    return torch.cuda.get_device_capability(idx)
+
+
+# What torch.cuda also offers, for scripts that call them through the device module.
+OutOfMemoryError = torch.OutOfMemoryError
+
+
+def init() -> None:
+    """Nothing to do: superchip is set up when it is imported (``torch.cuda.init``'s role)."""
+
+
+def is_current_stream_capturing() -> bool:
+    """Always False: superchip records no graphs (CUDA graphs are not supported)."""
+    return False
+
+
+def memory_cached(device=None) -> int:
+    """Deprecated name of ``memory_reserved`` (as in ``torch.cuda``)."""
+    return memory_reserved(device)
+
+
+def max_memory_cached(device=None) -> int:
+    """Deprecated name of ``max_memory_reserved`` (as in ``torch.cuda``)."""
+    return max_memory_reserved(device)
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:

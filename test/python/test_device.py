@@ -69,6 +69,22 @@ def test_device_queries_a_cuda_script_makes():
         superchip.set_capacity("hbm", old)
     with pytest.raises(ValueError, match="expected a superchip device"):
         mod.mem_get_info("cpu")
+    # The rest of torch.cuda's module a script may call (found missing by review).
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.get_device_name(7)  # it named a device that does not exist
+    if superchip.executor() == "cuda":
+        assert mod.get_device_capability() == torch.cuda.get_device_capability(0)
+    else:
+        with pytest.raises(RuntimeError, match="no compute capability"):
+            mod.get_device_capability()
+    mod.init()
+    assert mod.is_current_stream_capturing() is False
+    assert mod.OutOfMemoryError is torch.OutOfMemoryError
+    assert mod.memory_cached() == mod.memory_reserved() and mod.max_memory_cached() == mod.max_memory_reserved()
+    with mod.device_of(torch.ones(1, device="superchip:0")):
+        assert mod.current_device() == 0
+    with mod.device_of(torch.ones(1)):  # not a superchip tensor: nothing changes
+        assert mod.current_device() == 0
 
 
 def test_torch_device_parsing():
@@ -136,6 +152,9 @@ def test_multi_device_semantics_in_subprocess():
             assert torch.superchip.current_device() == 1
             b = torch.zeros(4, device="superchip")
             assert b.device == torch.device("superchip:1"), b.device
+        assert torch.superchip.current_device() == 0
+        with torch.superchip.device_of(a):
+            assert torch.superchip.current_device() == 2
         assert torch.superchip.current_device() == 0
         torch.superchip.set_device(2)
         assert torch.superchip.current_device() == 2
