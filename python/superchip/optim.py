@@ -196,6 +196,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # left the device, a CPU group added: Engine.stop() is for good). overlap=True asks for the
     # engine at once, so it still refuses CPU parameters at construction.
     def _start_engine(self, overlap, bucket_bytes, tail_buckets) -> None:
+        self._engine_args = (overlap, bucket_bytes, tail_buckets)  # Note [A pickled optimizer]
         explicit = overlap is not None
         overlap = bool(overlap) if explicit else overlap_default()
         params = [p for g in self.param_groups for p in g["params"]]
@@ -415,6 +416,36 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._engine.rollback_unstepped(skipped=False)
             self._engine.synchronize()
         return super().state_dict()
+
+    # Note [A pickled optimizer]
+    # torch.optim pickles an optimizer (torch.save of the object, copy.deepcopy) as its
+    # defaults, state and groups; the copy of a superchip optimizer had no engine, and its
+    # first step() raised "'AdamW' object has no attribute '_engine'" where torch.optim's copy
+    # steps on (found by review). The constructor's engine arguments travel with the state, and
+    # the copy starts an engine of its own over its own parameters (after the state is what
+    # state_dict() would give: no speculation, no queued step). load_state_dict, which calls
+    # __setstate__ too, keeps the engine it has.
+    def __getstate__(self):
+        if hasattr(self, "_engine"):
+            self._engine.rollback_unstepped(skipped=False)
+            self._engine.synchronize()
+        state = super().__getstate__()
+        state["_superchip_engine_args"] = getattr(self, "_engine_args", (None, None, None))
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        args = state.pop("_superchip_engine_args", (None, None, None))
+        super().__setstate__(state)
+        if "_engine" not in self.__dict__:  # unpickled: not load_state_dict
+            from . import move_to_tier, tier_of
+            # torch.load and deepcopy made the state where any new tensor goes (hbm first):
+            # it goes back to the state's tier (host; the engine places tail buckets again).
+            for st in self.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.device.type == "superchip" and tier_of(v) != "host":
+                        move_to_tier(v, "host")
+            self._start_engine(*args)
 
     def add_param_group(self, param_group: dict) -> None:
         engine = getattr(self, "_engine", None)

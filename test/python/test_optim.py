@@ -9,6 +9,7 @@ exact round-to-nearest-even of our master. Every SIMD path this CPU has is exerc
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import random
@@ -896,3 +897,44 @@ def test_a_parameter_listed_twice_is_refused(cls):
         make([("w", a), ("v", a)], lr=0.1)
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         opt.add_param_group({"params": [a]})
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("overlap", [None, False])
+def test_a_pickled_optimizer_steps_on(how, overlap):
+    # Note [A pickled optimizer]: torch.save of a whole optimizer object (or copy.deepcopy of
+    # model and optimizer together) gave a copy without an engine, whose first step() raised
+    # AttributeError '_engine' where torch.optim's copy steps on. The copy continues with the
+    # bits of the run it was copied from, its state in the host tier, its engine its own.
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to("superchip").bfloat16()
+        return m, superchip.optim.AdamW(m.parameters(), lr=1e-2, overlap=overlap)
+
+    def train(m, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(8, 32, generator=g).to("superchip").bfloat16()
+            m(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m, opt = make()
+    train(m, opt, 2, 1)
+    if how == "deepcopy":
+        m2, o2 = copy.deepcopy((m, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save({"m": m, "opt": opt}, buf)
+        buf.seek(0)
+        d = torch.load(buf, weights_only=False)
+        m2, o2 = d["m"], d["opt"]
+    assert all(superchip.tier_of(v) == "host" for st in o2.state.values() for v in st.values()
+               if v.device.type == "superchip")
+    assert o2._engine is not opt._engine and o2._engine.overlap == opt._engine.overlap
+    train(m, opt, 3, 2)
+    train(m2, o2, 3, 2)
+    torch.superchip.synchronize()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(m.parameters(), m2.parameters()))
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert all(torch.equal(opt.state[p][k].cpu(), o2.state[p2][k].cpu()) for k in opt.state[p])
