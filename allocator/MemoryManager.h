@@ -42,6 +42,16 @@ struct TierStats {
   int64_t num_cache_hits = 0;        // allocations served from the cache
   int64_t num_ooms = 0;              // OutOfTierMemory errors raised
   int64_t num_spills = 0;            // host only: allocate_placed() requests hbm could not take
+  // Cumulative since construction or reset_accumulated(), as torch.cuda's "allocated" and
+  // "freed" figures (external accounts count as allocations, blocks and backing segments):
+  int64_t allocated_bytes_total = 0;  // rounded bytes of every allocation
+  int64_t freed_bytes_total = 0;      // rounded bytes of every free
+  int64_t requested_bytes_total = 0;  // bytes asked for by every allocation
+  int64_t requested_freed_total = 0;  // bytes asked for by every freed allocation
+  int64_t reserved_bytes_total = 0;   // bytes obtained from the backing
+  int64_t released_bytes_total = 0;   // bytes given back to the backing
+  int64_t num_segment_allocs = 0;     // blocks obtained from the backing
+  int64_t num_segment_frees = 0;      // blocks given back to the backing
 };
 
 // Raised when a tier cannot satisfy a request even after releasing its cache. The
@@ -157,7 +167,7 @@ class MemoryManager {
   // The same for one tier; returns the bytes given back.
   size_t empty_cache(Tier tier) noexcept;
   void reset_peak() noexcept;         // peaks := current values
-  void reset_accumulated() noexcept;  // num_allocs, num_frees, num_cache_hits, num_ooms := 0
+  void reset_accumulated() noexcept;  // num_allocs, num_frees, num_cache_hits, num_ooms, the totals := 0
   // Changes a tier's budget. Throws std::invalid_argument if below the bytes in use.
   void set_capacity(Tier tier, size_t capacity_bytes);
 

@@ -113,12 +113,16 @@ bool TierAllocator::free(void* ptr) noexcept {
   stats_.requested_bytes -= as_i64(block.requested);
   stats_.active_allocations--;
   stats_.num_frees++;
+  stats_.freed_bytes_total += as_i64(block.raw.bytes);
+  stats_.requested_freed_total += as_i64(block.requested);
   try {
     cached_.emplace(block.raw.bytes, block.raw);
   } catch (...) {
     // No memory for the cache node: give the block back instead of caching it.
     backing_->release(block.raw);
     stats_.reserved_bytes -= as_i64(block.raw.bytes);
+    stats_.released_bytes_total += as_i64(block.raw.bytes);
+    stats_.num_segment_frees++;
   }
   return true;
 }
@@ -164,6 +168,10 @@ void TierAllocator::release_external(size_t nbytes) noexcept {
     stats_.active_allocations--;
   }
   stats_.num_frees++;
+  stats_.freed_bytes_total += released;
+  stats_.requested_freed_total += released;
+  stats_.released_bytes_total += released;
+  stats_.num_segment_frees++;
 }
 
 // ---- budget ----
@@ -219,6 +227,8 @@ void TierAllocator::throw_oom(size_t requested, bool backing_exhausted, const st
 void TierAllocator::release_cached(std::multimap<size_t, RawBlock>::iterator it) noexcept {
   backing_->release(it->second);
   stats_.reserved_bytes -= as_i64(it->first);
+  stats_.released_bytes_total += as_i64(it->first);
+  stats_.num_segment_frees++;
   cached_.erase(it);
 }
 
@@ -231,6 +241,12 @@ void TierAllocator::grow(int64_t allocated, int64_t requested, int64_t reserved)
   stats_.requested_bytes += requested;
   stats_.reserved_bytes += reserved;
   stats_.active_allocations++;
+  stats_.allocated_bytes_total += allocated;
+  stats_.requested_bytes_total += requested;
+  if (reserved > 0) {
+    stats_.reserved_bytes_total += reserved;
+    stats_.num_segment_allocs++;
+  }
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
@@ -276,6 +292,10 @@ void TierAllocator::reset_accumulated() noexcept {
   stats_.num_frees = 0;
   stats_.num_cache_hits = 0;
   stats_.num_ooms = 0;
+  stats_.allocated_bytes_total = stats_.freed_bytes_total = 0;
+  stats_.requested_bytes_total = stats_.requested_freed_total = 0;
+  stats_.reserved_bytes_total = stats_.released_bytes_total = 0;
+  stats_.num_segment_allocs = stats_.num_segment_frees = 0;
 }
 
 void TierAllocator::set_capacity(size_t capacity_bytes) {

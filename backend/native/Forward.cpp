@@ -138,8 +138,10 @@ struct OpFacts {
   std::vector<int> device_args;      // positions of Device? arguments
   std::vector<bool> mutable_args;    // per argument: written by the op (alias_info is_write)
   bool writes_arguments = false;     // any of mutable_args
-  bool cpu_index_operands = false;   // index ops: CPU indices (and values) are accepted, as on
-                                     // CUDA (`t[cpu_idx]`); the indexed tensor never
+  bool cpu_index_operands = false;   // index ops: CPU indices are accepted, as on CUDA
+                                     // (`t[cpu_idx]`); values only 0-dim, as on CUDA (a CPU
+                                     // values tensor was written, where CUDA raises: found by
+                                     // PyTorch's test_indexing); the indexed tensor never
   int rows_arg = -1;                 // the operand read by rows (Access::kReadRows), or -1
 };
 
@@ -276,8 +278,9 @@ class ForwardedCall {
     for (size_t k = 0; k < num_args_; ++k) {
       const c10::IValue& v = (*stack_)[first_ + k];
       const bool mutated = facts_.mutable_args[k];
+      // Index ops: (self, indices, values, ...).
       const CpuOperand cpu_allowed =
-          !facts_.cpu_index_operands ? kCpuScalar : (k == 0 ? kCpuNone : kCpuAny);
+          !facts_.cpu_index_operands ? kCpuScalar : (k == 0 ? kCpuNone : k == 1 ? kCpuAny : kCpuScalar);
       if (v.isTensor()) {
         note_device(v.toTensor(), mutated, cpu_allowed);
       } else if (v.isTensorList()) {

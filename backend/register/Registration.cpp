@@ -128,7 +128,12 @@ int register_executor_kernels() {
   }
   // Composite kernels that reach a device-specific piece (a DispatchStub, a device-type check)
   // and refuse PrivateUse1; the executor's dispatch slot runs the same composite with it.
-  for (const char* name : {"mode.values", "conj_physical_"}) {
+  // kaiser_window makes its window with kaiser_window_stub for the output's device: an
+  // internal assert ("DispatchStub: missing kernel") on superchip (found by PyTorch's
+  // test_tensor_creation_ops). Each overload calls the next one's native function directly.
+  for (const char* name : {"mode.values", "conj_physical_", "kaiser_window", "kaiser_window.periodic",
+                           "kaiser_window.beta", "kaiser_window.out", "kaiser_window.periodic_out",
+                           "kaiser_window.beta_out"}) {
     lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
     ++count;
   }

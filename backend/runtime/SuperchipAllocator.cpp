@@ -351,18 +351,27 @@ c10::CachingDeviceAllocator::DeviceStats to_device_stats(const TierStats& t) {
   using c10::CachingAllocator::StatType;
   c10::CachingDeviceAllocator::DeviceStats s;
   const auto agg = static_cast<size_t>(StatType::AGGREGATE);
-  auto fill = [](c10::CachingAllocator::Stat& st, int64_t current, int64_t peak) {
+  auto fill = [](c10::CachingAllocator::Stat& st, int64_t current, int64_t peak, int64_t allocated,
+                 int64_t freed) {
     st.current = current;
     st.peak = peak;
+    st.allocated = allocated;  // cumulative, as torch.cuda's (memory_summary's "Tot Alloc")
+    st.freed = freed;
   };
-  fill(s.allocated_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
-  fill(s.active_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes);
-  fill(s.reserved_bytes[agg], t.reserved_bytes, t.peak_reserved_bytes);
-  fill(s.requested_bytes[agg], t.requested_bytes, t.peak_requested_bytes);
-  fill(s.allocation[agg], t.active_allocations, t.peak_active_allocations);
-  fill(s.active[agg], t.active_allocations, t.peak_active_allocations);
-  s.allocation[agg].allocated = t.num_allocs;
-  s.allocation[agg].freed = t.num_frees;
+  fill(s.allocated_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes, t.allocated_bytes_total,
+       t.freed_bytes_total);
+  fill(s.active_bytes[agg], t.allocated_bytes, t.peak_allocated_bytes, t.allocated_bytes_total,
+       t.freed_bytes_total);
+  fill(s.reserved_bytes[agg], t.reserved_bytes, t.peak_reserved_bytes, t.reserved_bytes_total,
+       t.released_bytes_total);
+  fill(s.requested_bytes[agg], t.requested_bytes, t.peak_requested_bytes, t.requested_bytes_total,
+       t.requested_freed_total);
+  fill(s.allocation[agg], t.active_allocations, t.peak_active_allocations, t.num_allocs, t.num_frees);
+  fill(s.active[agg], t.active_allocations, t.peak_active_allocations, t.num_allocs, t.num_frees);
+  s.segment[agg].allocated = t.num_segment_allocs;
+  s.segment[agg].freed = t.num_segment_frees;
+  s.num_device_alloc = t.num_segment_allocs;
+  s.num_device_free = t.num_segment_frees;
   s.num_ooms = t.num_ooms;
   return s;
 }

@@ -138,8 +138,12 @@ def max_memory_reserved(device=None) -> int:
 
 
 def memory_stats(device=None) -> dict:
-    """Per-tier statistics; the same dict as superchip.memory_stats()."""
-    return _C._memory_stats(_index(device))
+    """``torch.cuda.memory_stats``'s keys (``"allocated_bytes.all.peak"``, ...: the ``hbm``
+    tier, as ``torch.accelerator.memory_stats``) and superchip's per-tier ones
+    (``"hbm.allocated_bytes"``, ``"host.allocated_bytes"``, ...: ``superchip.memory_stats()``)."""
+    stats = dict(torch.accelerator.memory_stats(_device_of(device)))
+    stats.update(_C._memory_stats(_index(device)))
+    return stats
 
 
 def reset_peak_memory_stats(device=None) -> None:

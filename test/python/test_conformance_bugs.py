@@ -422,3 +422,41 @@ def test_hf_moe_default_experts_train_like_cpu():
         assert loss.item() == loss_ref.item()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_kaiser_window_as_on_cpu(dtype):
+    # Found by PyTorch's test_tensor_creation_ops: kaiser_window's composite makes the window
+    # with a DispatchStub of the output's device, which superchip lacked: "INTERNAL ASSERT
+    # FAILED ... DispatchStub: missing kernel for superchip" (asking the user to report a
+    # PyTorch bug). Every overload, and the out= ones, now gives the CPU's bits.
+    calls = [lambda d: torch.kaiser_window(10, dtype=dtype, device=d),
+             lambda d: torch.kaiser_window(7, periodic=False, dtype=dtype, device=d),
+             lambda d: torch.kaiser_window(12, True, 5.5, dtype=dtype, device=d),
+             lambda d: torch.kaiser_window(1, dtype=dtype, device=d),
+             lambda d: torch.kaiser_window(0, dtype=dtype, device=d),
+             lambda d: torch.ops.aten.kaiser_window.out(9, out=torch.empty(0, dtype=dtype, device=d)),
+             lambda d: torch.ops.aten.kaiser_window.periodic_out(9, False, out=torch.empty(0, dtype=dtype, device=d)),
+             lambda d: torch.ops.aten.kaiser_window.beta_out(9, True, 3.0, out=torch.empty(0, dtype=dtype, device=d))]
+    for call in calls:
+        want, got = call("cpu"), call(DEVICE)
+        assert got.device.type == "superchip" and got.dtype == want.dtype
+        assert torch.equal(got.cpu(), want)
+
+
+def test_index_put_refuses_a_cpu_values_tensor_as_cuda_does():
+    # Found by PyTorch's test_indexing (test_invalid_device): CPU indices are accepted (as on
+    # CUDA), and a CPU values tensor was too, written into the superchip tensor, where CUDA
+    # raises. CPU 0-dim values stay accepted, as scalars.
+    b = torch.zeros(5, device=DEVICE)
+    idx = torch.tensor([0, 1])
+    for accumulate in (False, True):
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.index_put_(b, (idx,), torch.tensor([1.0, 2.0]), accumulate=accumulate)
+        assert torch.equal(b.cpu(), torch.zeros(5))
+    with pytest.raises(RuntimeError, match="same device"):
+        b[idx] = torch.tensor([1.0, 2.0])
+    b[idx] = torch.tensor(3.0)  # a CPU 0-dim value: a scalar
+    b.index_put_((idx,), torch.tensor([1.0, 2.0], device=DEVICE), accumulate=True)
+    assert b.cpu().tolist() == [4.0, 5.0, 0.0, 0.0, 0.0]
+    assert b[idx].cpu().tolist() == [4.0, 5.0]  # CPU indices read as before

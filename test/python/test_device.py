@@ -59,8 +59,9 @@ def test_device_queries_a_cuda_script_makes():
             "    pass\n"
             "a = torch.accelerator.memory_stats()['num_ooms']\n"
             "mod.reset_accumulated_memory_stats()\n"
-            "print(a, torch.accelerator.memory_stats()['num_ooms'])\n")
-        assert res.returncode == 0 and res.stdout.split() == ["1", "0"], res.stdout + res.stderr[-2000:]
+            "s = torch.accelerator.memory_stats()\n"
+            "print(a, s['num_ooms'], s['allocated_bytes.all.allocated'], s['num_device_alloc'])\n")
+        assert res.returncode == 0 and res.stdout.split() == ["1", "0", "0", "0"], res.stdout + res.stderr[-2000:]
         summary = mod.memory_summary()
         row = next(r for r in summary.splitlines() if r.startswith("allocated_bytes"))
         assert int(row.split()[1]) == superchip.memory_stats()["hbm.allocated_bytes"]

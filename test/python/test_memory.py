@@ -133,6 +133,35 @@ def test_torch_accelerator_agrees():
     assert s["host.allocated_bytes"] >= 3 * MiB
 
 
+def test_cumulative_figures_as_torch_cuda_reports_them():
+    # torch.cuda's memory_stats counts what was ever allocated and freed ("Tot Alloc" / "Tot
+    # Freed" of memory_summary); torch.accelerator.memory_stats() gave 0 for all of them on
+    # superchip, and torch.superchip.memory_stats() had none of torch.cuda's keys (found by
+    # review). Now both have the hbm tier's, exactly.
+    superchip.empty_cache()
+    acc = torch.accelerator.memory_stats
+    a0 = acc()
+    t = torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)  # a new 3 MiB block
+    a1 = acc()
+    del t
+    a2 = acc()
+    superchip.empty_cache()  # gives the block back
+    a3 = acc()
+    d = lambda k, x, y: y[k] - x[k]  # noqa: E731
+    assert d("allocated_bytes.all.allocated", a0, a1) == 3 * MiB
+    assert d("requested_bytes.all.allocated", a0, a1) == 3 * MiB
+    assert d("allocated_bytes.all.freed", a1, a2) == 3 * MiB
+    assert d("allocation.all.allocated", a0, a1) == 1 and d("allocation.all.freed", a1, a2) == 1
+    assert d("reserved_bytes.all.allocated", a0, a1) == 3 * MiB and d("num_device_alloc", a0, a1) == 1
+    assert d("reserved_bytes.all.freed", a2, a3) == 3 * MiB and d("num_device_free", a2, a3) == 1
+    assert d("segment.all.allocated", a0, a1) == 1 and d("segment.all.freed", a2, a3) == 1
+    mod = torch.get_device_module("superchip")
+    s = mod.memory_stats()
+    assert s["allocated_bytes.all.current"] == s["hbm.allocated_bytes"] == mod.memory_allocated()
+    assert s["reserved_bytes.all.peak"] == s["hbm.peak_reserved_bytes"]
+    assert s["allocated_bytes.all.allocated"] >= a3["allocated_bytes.all.allocated"]
+
+
 def test_executor_outputs_are_adopted_as_external_bytes():
     a = torch.ones(1000, device=DEVICE)
     before = stats()

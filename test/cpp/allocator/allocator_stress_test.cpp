@@ -39,6 +39,12 @@ struct TierModelRef {
     stats.reserved_bytes += reserved;
     stats.active_allocations++;
     stats.num_allocs++;
+    stats.allocated_bytes_total += allocated;
+    stats.requested_bytes_total += requested;
+    if (reserved > 0) {
+      stats.reserved_bytes_total += reserved;
+      stats.num_segment_allocs++;
+    }
     stats.peak_allocated_bytes = std::max(stats.peak_allocated_bytes, stats.allocated_bytes);
     stats.peak_reserved_bytes = std::max(stats.peak_reserved_bytes, stats.reserved_bytes);
     stats.peak_requested_bytes = std::max(stats.peak_requested_bytes, stats.requested_bytes);
@@ -50,12 +56,14 @@ struct TierModelRef {
     const int64_t cap = stats.capacity_bytes;
     if (cap == 0) return true;
     if (stats.allocated_bytes + int64_t(bytes) > cap) return false;
-    while (stats.reserved_bytes + int64_t(bytes) > cap) {
-      auto largest = std::prev(cached.end());
-      stats.reserved_bytes -= int64_t(*largest);
-      cached.erase(largest);
-    }
+    while (stats.reserved_bytes + int64_t(bytes) > cap) release(std::prev(cached.end()));
     return true;
+  }
+  void release(std::multiset<size_t>::iterator block) {
+    stats.reserved_bytes -= int64_t(*block);
+    stats.released_bytes_total += int64_t(*block);
+    stats.num_segment_frees++;
+    cached.erase(block);
   }
   // Size of the cached block a request would reuse, 0 for a miss.
   size_t cache_pick(size_t rounded) const {
@@ -63,11 +71,7 @@ struct TierModelRef {
     return it != cached.end() && *it <= rounded + rounded / 4 ? *it : 0;
   }
   void release_largest_until(int64_t target) {
-    while (stats.reserved_bytes > target) {
-      auto largest = std::prev(cached.end());
-      stats.reserved_bytes -= int64_t(*largest);
-      cached.erase(largest);
-    }
+    while (stats.reserved_bytes > target) release(std::prev(cached.end()));
   }
 };
 
@@ -87,6 +91,14 @@ void expect_stats_eq(const TierStats& got, const TierStats& want, const char* ti
   EXPECT_EQ(got.num_frees, want.num_frees);
   EXPECT_EQ(got.num_cache_hits, want.num_cache_hits);
   EXPECT_EQ(got.num_ooms, want.num_ooms);
+  EXPECT_EQ(got.allocated_bytes_total, want.allocated_bytes_total);
+  EXPECT_EQ(got.freed_bytes_total, want.freed_bytes_total);
+  EXPECT_EQ(got.requested_bytes_total, want.requested_bytes_total);
+  EXPECT_EQ(got.requested_freed_total, want.requested_freed_total);
+  EXPECT_EQ(got.reserved_bytes_total, want.reserved_bytes_total);
+  EXPECT_EQ(got.released_bytes_total, want.released_bytes_total);
+  EXPECT_EQ(got.num_segment_allocs, want.num_segment_allocs);
+  EXPECT_EQ(got.num_segment_frees, want.num_segment_frees);
 }
 
 // Stamps the first and last 8 bytes of a block, so that overlapping blocks or a block
@@ -194,6 +206,8 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
         o.stats.requested_bytes -= int64_t(request);
         o.stats.active_allocations--;
         o.stats.num_frees++;
+        o.stats.freed_bytes_total += int64_t(size);
+        o.stats.requested_freed_total += int64_t(request);
       }
     } else if (op < 90) {
       if (!externals.empty() && rng() % 2 == 0) {
@@ -207,6 +221,10 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
         o.stats.external_bytes -= int64_t(n);
         o.stats.active_allocations--;
         o.stats.num_frees++;
+        o.stats.freed_bytes_total += int64_t(n);
+        o.stats.requested_freed_total += int64_t(n);
+        o.stats.released_bytes_total += int64_t(n);
+        o.stats.num_segment_frees++;
         o.external_accounts--;
       } else {
         const size_t n = 1 + rng() % (2 * kMiB);
@@ -235,8 +253,8 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
     } else if (op < 96) {
       mm.empty_cache();
       for (TierModelRef& o : model) {
-        o.stats.reserved_bytes = o.stats.allocated_bytes;
-        o.cached.clear();
+        while (!o.cached.empty()) o.release(o.cached.begin());
+        EXPECT_EQ(o.stats.reserved_bytes, o.stats.allocated_bytes);
       }
     } else if (op < 98) {
       mm.reset_peak();
@@ -250,6 +268,10 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
       mm.reset_accumulated();
       for (TierModelRef& o : model) {
         o.stats.num_allocs = o.stats.num_frees = o.stats.num_cache_hits = o.stats.num_ooms = 0;
+        o.stats.allocated_bytes_total = o.stats.freed_bytes_total = 0;
+        o.stats.requested_bytes_total = o.stats.requested_freed_total = 0;
+        o.stats.reserved_bytes_total = o.stats.released_bytes_total = 0;
+        o.stats.num_segment_allocs = o.stats.num_segment_frees = 0;
       }
     }
 
