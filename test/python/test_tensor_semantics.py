@@ -305,7 +305,9 @@ def test_indexing_a_cpu_tensor_with_superchip_indices_raises():
     xs = x.to(DEVICE)
     assert xs[torch.tensor([0, 2])].device == DEVICE
     assert xs[torch.tensor([0, 2])].cpu().tolist() == [[0.0, 1.0], [4.0, 5.0]]
-    xs[torch.tensor([1])] = torch.full((1, 2), 9.0)
+    with pytest.raises(RuntimeError, match="same device"):  # CPU values (not 0-dim): as CUDA
+        xs[torch.tensor([1])] = torch.full((1, 2), 9.0)
+    xs[torch.tensor([1])] = torch.tensor(9.0)  # a CPU 0-dim value, with CPU indices
     assert xs.cpu().tolist() == [[0.0, 1.0], [9.0, 9.0], [4.0, 5.0]]
 
 
