@@ -52,6 +52,8 @@ struct TierStats {
   int64_t released_bytes_total = 0;   // bytes given back to the backing
   int64_t num_segment_allocs = 0;     // blocks obtained from the backing
   int64_t num_segment_frees = 0;      // blocks given back to the backing
+  int64_t segments = 0;               // blocks held from the backing (live + cached) + external
+  int64_t peak_segments = 0;          // max of segments since the last reset_peak()
 };
 
 // Raised when a tier cannot satisfy a request even after releasing its cache. The

@@ -123,6 +123,7 @@ bool TierAllocator::free(void* ptr) noexcept {
     stats_.reserved_bytes -= as_i64(block.raw.bytes);
     stats_.released_bytes_total += as_i64(block.raw.bytes);
     stats_.num_segment_frees++;
+    stats_.segments--;
   }
   return true;
 }
@@ -172,6 +173,7 @@ void TierAllocator::release_external(size_t nbytes) noexcept {
   stats_.requested_freed_total += released;
   stats_.released_bytes_total += released;
   stats_.num_segment_frees++;
+  stats_.segments--;
 }
 
 // ---- budget ----
@@ -229,6 +231,7 @@ void TierAllocator::release_cached(std::multimap<size_t, RawBlock>::iterator it)
   stats_.reserved_bytes -= as_i64(it->first);
   stats_.released_bytes_total += as_i64(it->first);
   stats_.num_segment_frees++;
+  stats_.segments--;
   cached_.erase(it);
 }
 
@@ -246,6 +249,8 @@ void TierAllocator::grow(int64_t allocated, int64_t requested, int64_t reserved)
   if (reserved > 0) {
     stats_.reserved_bytes_total += reserved;
     stats_.num_segment_allocs++;
+    stats_.segments++;
+    stats_.peak_segments = std::max(stats_.peak_segments, stats_.segments);
   }
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
@@ -284,6 +289,7 @@ void TierAllocator::reset_peak() noexcept {
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
   stats_.peak_requested_bytes = stats_.requested_bytes;
   stats_.peak_active_allocations = stats_.active_allocations;
+  stats_.peak_segments = stats_.segments;
 }
 
 void TierAllocator::reset_accumulated() noexcept {
@@ -364,6 +370,8 @@ void TierAllocator::check_invariants() const {
             live_bytes + cached_bytes + s.external_bytes);
   expect_eq("active_allocations", s.active_allocations, "|live| + external accounts",
             as_i64(live_.size()) + external_accounts_);
+  expect_eq("segments", s.segments, "|live| + |cached| + external accounts",
+            as_i64(live_.size() + cached_.size()) + external_accounts_);
   if (s.capacity_bytes != 0 && s.reserved_bytes > s.capacity_bytes) {
     fail("reserved_bytes <= capacity_bytes (" + std::to_string(s.reserved_bytes) + " > " +
          std::to_string(s.capacity_bytes) + ")");

@@ -274,13 +274,37 @@ class ForwardedCall {
     }
   }
 
+  // index_put_ (self, indices, values, accumulate, ...) as ATen's canDispatchToMaskedFill
+  // takes it: one CPU value written without accumulating through a single bool/byte mask on
+  // the device is a masked_fill_ with that value, which CUDA accepts whatever the value's dims.
+  bool cpu_value_fills_a_mask() const {
+    if (num_args_ < 4) return false;
+    const c10::IValue& indices = (*stack_)[first_ + 1];
+    const c10::IValue& values = (*stack_)[first_ + 2];
+    const c10::IValue& accumulate = (*stack_)[first_ + 3];
+    if (!indices.isList() || !values.isTensor() || !accumulate.isBool() || accumulate.toBool()) return false;
+    const at::Tensor& v = values.toTensor();
+    if (!v.defined() || v.numel() != 1 || !v.device().is_cpu()) return false;
+    int masks = 0;
+    for (const c10::IValue& e : indices.toListRef()) {
+      if (!e.isTensor() || !e.toTensor().defined()) continue;
+      const at::Tensor& i = e.toTensor();
+      if ((i.scalar_type() != at::kBool && i.scalar_type() != at::kByte) || !is_superchip(i) || ++masks > 1) {
+        return false;
+      }
+    }
+    return masks == 1;
+  }
+
   void find_device() {
+    // Index ops: (self, indices, values, ...): CPU indices, and a CPU value only as CUDA takes it.
+    const CpuOperand values_allowed =
+        facts_.cpu_index_operands && cpu_value_fills_a_mask() ? kCpuAny : kCpuScalar;
     for (size_t k = 0; k < num_args_; ++k) {
       const c10::IValue& v = (*stack_)[first_ + k];
       const bool mutated = facts_.mutable_args[k];
-      // Index ops: (self, indices, values, ...).
       const CpuOperand cpu_allowed =
-          !facts_.cpu_index_operands ? kCpuScalar : (k == 0 ? kCpuNone : k == 1 ? kCpuAny : kCpuScalar);
+          !facts_.cpu_index_operands ? kCpuScalar : (k == 0 ? kCpuNone : k == 1 ? kCpuAny : values_allowed);
       if (v.isTensor()) {
         note_device(v.toTensor(), mutated, cpu_allowed);
       } else if (v.isTensorList()) {

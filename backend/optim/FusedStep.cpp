@@ -249,7 +249,10 @@ void wait_for_executor(const std::vector<at::Tensor>& params) {
   std::vector<bool> done(static_cast<size_t>(device_count()), false);
   for (const at::Tensor& p : params) {
     if (p.device().type() != c10::DeviceType::PrivateUse1 || done[p.device().index()]) continue;
-    c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->synchronizeDevice(p.device().index());
+    // The GPU only: superchip's own synchronizeDevice also waits for the offload engine (and
+    // raises another optimizer's failed step), which a plain step must not.
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->synchronizeDevice(executor_device(p.device().index()).index());
     done[p.device().index()] = true;
   }
 }

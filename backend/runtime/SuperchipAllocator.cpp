@@ -368,8 +368,7 @@ c10::CachingDeviceAllocator::DeviceStats to_device_stats(const TierStats& t) {
        t.requested_freed_total);
   fill(s.allocation[agg], t.active_allocations, t.peak_active_allocations, t.num_allocs, t.num_frees);
   fill(s.active[agg], t.active_allocations, t.peak_active_allocations, t.num_allocs, t.num_frees);
-  s.segment[agg].allocated = t.num_segment_allocs;
-  s.segment[agg].freed = t.num_segment_frees;
+  fill(s.segment[agg], t.segments, t.peak_segments, t.num_segment_allocs, t.num_segment_frees);
   s.num_device_alloc = t.num_segment_allocs;
   s.num_device_free = t.num_segment_frees;
   s.num_ooms = t.num_ooms;

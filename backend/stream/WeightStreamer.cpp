@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -422,16 +423,17 @@ struct WeightStreamer::Impl {
   };
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
-  // Note [Dead batches leave at once]: an entry's weak pointer keeps its dead StorageImpl (a
+  // Note [Dead batches leave soon]: an entry's weak pointer keeps its dead StorageImpl (a
   // small heap object) allocated until the entry goes. Left for the purge of the whole map
   // (past 1024 entries), a loop copying a fresh float batch to the device per call left one
   // between each pair of its freed batch buffers on the CPU heap: an inference loop of 2 MiB
   // batches grew its RSS by 2 MiB a call up to ~2 GiB (the freed buffers split and unusable
-  // until malloc_trim), with superchip's own statistics flat. Each mark checks the last
-  // kRecentMarks marked storages and forgets the dead ones, so a batch's entry goes a few
-  // calls after the batch.
-  static constexpr size_t kRecentMarks = 8;
-  std::array<const c10::StorageImpl*, kRecentMarks> recent_marks{};
+  // until malloc_trim), with superchip's own statistics flat. Every entry waits in
+  // `mark_queue` (mark order); each mark checks the next max(8, n/8) of it, at most 64,
+  // forgets the dead and sends the live to the back: a batch's entry goes within about 8
+  // marks of its death (n/64 past 512 live weights), however many inputs a call copies in (a
+  // ring of the last 8 marks missed a batch that lived across 8 other marks: found by review).
+  std::deque<std::pair<const c10::StorageImpl*, uint64_t>> mark_queue;  // (storage, its `marked`)
   uint64_t marks = 0;      // weights marked so far
   uint64_t rec_marks = 0;  // `marks` when recording began
   size_t young_streak = 0;  // reads in a row of weights marked since then
@@ -1319,11 +1321,15 @@ struct WeightStreamer::Impl {
   }
 
   void maybe_purge_weights() {
-    // Note [Dead batches leave at once]
-    for (const c10::StorageImpl*& s : recent_marks) {
-      if (s == nullptr) continue;
+    // Note [Dead batches leave soon]
+    const size_t n = mark_queue.size();
+    for (size_t k = std::min<size_t>(n, std::min<size_t>(64, std::max<size_t>(8, n / 8))); k > 0; --k) {
+      const auto [s, marked] = mark_queue.front();
+      mark_queue.pop_front();
       auto it = weights.find(s);
-      if (it == weights.end() || forget_if_dead(it)) s = nullptr;
+      // Gone already (the purge below, or a new storage at its address marked since): done.
+      if (it == weights.end() || it->second.marked != marked || forget_if_dead(it)) continue;
+      mark_queue.emplace_back(s, marked);
     }
     if (weights.size() < purge_at) return;
     for (auto it = weights.begin(); it != weights.end();) {
@@ -1386,7 +1392,7 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
         &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
                                ++impl_->marks});
-    impl_->recent_marks[impl_->marks % Impl::kRecentMarks] = &storage;
+    impl_->mark_queue.emplace_back(&storage, impl_->marks);
     // Note [Inputs are not weights]: a model's weight is not young.
     if (of_model && impl_->state == State::kRecording) {
       impl_->forget_loop();

@@ -82,35 +82,84 @@ torch.UntypedStorage._write_file = _superchip_write_file
 torch.UntypedStorage.__getitem__ = _superchip_getitem
 
 # Note [DLPack]
-# A DLPack capsule of a superchip tensor (device type kDLExtDev, as torch exports PrivateUse1)
-# hands its bytes to a consumer past the operators: __dlpack__ waits for the storage's pending
-# optimizer step first, as the serializer above does. torch's __dlpack_device__ names
-# PrivateUse1 only under its default name ("privateuse1"), so torch.from_dlpack(t) raised
-# "Unknown device type superchip for Dlpack" where a CUDA tensor gives an alias (found by
-# review): superchip tensors answer kDLExtDev and their index.
+# superchip moves a storage's bytes between tiers in place (move_to_tier, weight streaming's
+# demotions and promotions), and every superchip operator waits for a pending optimizer step
+# on its operands. A DLPack capsule is a raw pointer past both: its consumer's tensor kept
+# reading the freed block after a move (and the next tensor allocated there: found by
+# review). So torch.from_dlpack(t) of a superchip tensor gives the alias CUDA gives as a view
+# of t's own storage (t.detach(): moves and waits apply to it), and a capsule of superchip
+# memory is refused with what to do; a capsule of a copy on the CPU (dl_device=kDLCPU, as
+# numpy.from_dlpack(t, device="cpu") asks) is made after the pending step. torch's
+# __dlpack_device__ names PrivateUse1 only under its default name and raised for superchip:
+# it answers kDLExtDev and the index.
 import functools as _functools  # noqa: E402
+
+import torch.utils.dlpack as _dlpack_utils  # noqa: E402
 
 _dlpack = torch.Tensor.__dlpack__
 _dlpack_device = torch.Tensor.__dlpack_device__
+_from_dlpack = _dlpack_utils.from_dlpack
+_to_dlpack = _dlpack_utils.to_dlpack
+
+
+def _superchip_tensor(obj) -> bool:
+    return (isinstance(obj, torch.Tensor) and obj.device.type == "superchip"
+            and not torch.overrides.has_torch_function_unary(obj))
+
+
+def _refuse_capsule() -> None:
+    raise BufferError(
+        "a DLPack capsule of a superchip tensor would alias memory that superchip moves between "
+        "tiers (move_to_tier, weight streaming) and that a queued optimizer step may still "
+        "write; use torch.from_dlpack(t) for an alias within torch (t.detach()), or t.cpu() "
+        "(numpy.from_dlpack(t, device='cpu')) for another library.")
 
 
 @_functools.wraps(_dlpack)
 def _superchip_dlpack(self, *args, **kwargs):
-    if self.device.type == "superchip" and not torch.overrides.has_torch_function_unary(self):
+    if _superchip_tensor(self):
+        dl_device = kwargs.get("dl_device")
+        if dl_device is None or int(dl_device[0]) != int(_dlpack_utils.DLDeviceType.kDLCPU):
+            _refuse_capsule()
         _C._engine_wait_storage(self.untyped_storage())
     return _dlpack(self, *args, **kwargs)
 
 
 @_functools.wraps(_dlpack_device)
 def _superchip_dlpack_device(self):
-    if self.device.type == "superchip" and not torch.overrides.has_torch_function_unary(self):
-        from torch.utils.dlpack import DLDeviceType
-        return (DLDeviceType.kDLExtDev, self.device.index if self.device.index is not None else 0)
+    if _superchip_tensor(self):
+        return (_dlpack_utils.DLDeviceType.kDLExtDev, self.device.index if self.device.index is not None else 0)
     return _dlpack_device(self)
+
+
+@_functools.wraps(_from_dlpack)
+def _superchip_from_dlpack(ext_tensor, *args, **kwargs):
+    if not _superchip_tensor(ext_tensor):
+        return _from_dlpack(ext_tensor, *args, **kwargs)
+    if ext_tensor.requires_grad:  # as __dlpack__ refuses them
+        raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+    if ext_tensor.is_conj():
+        raise BufferError("Can't export tensors with the conjugate bit set")
+    device, copy = kwargs.get("device"), kwargs.get("copy")
+    out = ext_tensor.detach()
+    if device is not None and torch.device(device) != out.device:
+        if copy is False:
+            raise BufferError(f"torch.from_dlpack: copy=False, but the tensor is on {out.device}, not {device}")
+        return out.to(device)
+    return out.clone() if copy else out
+
+
+@_functools.wraps(_to_dlpack)
+def _superchip_to_dlpack(tensor, *args, **kwargs):
+    if _superchip_tensor(tensor):
+        _refuse_capsule()
+    return _to_dlpack(tensor, *args, **kwargs)
 
 
 torch.Tensor.__dlpack__ = _superchip_dlpack
 torch.Tensor.__dlpack_device__ = _superchip_dlpack_device
+torch.from_dlpack = _dlpack_utils.from_dlpack = _superchip_from_dlpack
+torch.to_dlpack = _dlpack_utils.to_dlpack = _superchip_to_dlpack
 from . import optim  # noqa: E402,F401
 from . import _inductor  # noqa: E402  (torch.compile support, registered on first use)
 from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)

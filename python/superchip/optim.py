@@ -445,7 +445,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 for v in st.values():
                     if isinstance(v, torch.Tensor) and v.device.type == "superchip" and tier_of(v) != "host":
                         move_to_tier(v, "host")
-            self._start_engine(*args)
+            overlap, bucket_bytes, tail_buckets = args
+            if overlap and not _all_superchip([p for g in self.param_groups for p in g["params"]], None):
+                overlap = None  # overlap=True, loaded with map_location="cpu": as the default does
+            self._start_engine(overlap, bucket_bytes, tail_buckets)
 
     def add_param_group(self, param_group: dict) -> None:
         engine = getattr(self, "_engine", None)

@@ -456,6 +456,15 @@ def test_index_put_refuses_a_cpu_values_tensor_as_cuda_does():
         assert torch.equal(b.cpu(), torch.zeros(5))
     with pytest.raises(RuntimeError, match="same device"):
         b[idx] = torch.tensor([1.0, 2.0])
+    # One CPU value through one bool mask on the device, not accumulated: ATen's masked_fill_
+    # path, which CUDA takes whatever the value's dims (found by review).
+    mask = torch.tensor([False, False, True, False, False], device=DEVICE)
+    b.index_put_((mask,), torch.tensor([6.0]))
+    torch.index_put_(b, (mask,), torch.tensor([[7.0]]))
+    assert b.cpu().tolist() == [0.0, 0.0, 7.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="same device"):  # accumulated: CUDA refuses it
+        b.index_put_((mask,), torch.tensor([1.0]), accumulate=True)
+    b[2] = 0.0
     b[idx] = torch.tensor(3.0)  # a CPU 0-dim value: a scalar
     b.index_put_((idx,), torch.tensor([1.0, 2.0], device=DEVICE), accumulate=True)
     assert b.cpu().tolist() == [4.0, 5.0, 0.0, 0.0, 0.0]

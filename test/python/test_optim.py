@@ -938,3 +938,24 @@ def test_a_pickled_optimizer_steps_on(how, overlap):
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(m.parameters(), m2.parameters()))
     for p, p2 in zip(m.parameters(), m2.parameters()):
         assert all(torch.equal(opt.state[p][k].cpu(), o2.state[p2][k].cpu()) for k in opt.state[p])
+
+
+def test_a_pickled_overlap_true_optimizer_loads_onto_the_cpu():
+    # Note [A pickled optimizer]: overlap=True refuses CPU parameters at construction; the copy
+    # of such an optimizer loaded with map_location="cpu" raised that error from torch.load
+    # (found by review). It loads, and steps plainly, as torch.optim's would.
+    import io
+    m = torch.nn.Linear(8, 4).to("superchip")
+    opt = superchip.optim.AdamW(m.parameters(), lr=1e-2, overlap=True)
+    m(torch.ones(2, 8, device="superchip")).sum().backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save({"m": m, "opt": opt}, buf)
+    buf.seek(0)
+    d = torch.load(buf, map_location="cpu", weights_only=False)
+    m2, o2 = d["m"], d["opt"]
+    assert not o2._engine.overlap
+    before = m2.weight.detach().clone()
+    m2(torch.ones(2, 8)).sum().backward()
+    o2.step()
+    assert not torch.equal(before, m2.weight.detach()) and o2.state[m2.weight]["step"].item() == 2

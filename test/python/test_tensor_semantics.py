@@ -433,7 +433,10 @@ def test_sending_a_superchip_tensor_to_another_process_says_what_to_do():
 def test_dlpack_gives_an_alias_as_for_cuda():
     # Note [DLPack] (superchip/__init__.py): torch.from_dlpack(t) raised "Unknown device type
     # superchip for Dlpack" (torch's __dlpack_device__ knows PrivateUse1 only by its default
-    # name); a CUDA tensor gives an alias. The capsule waits for a pending optimizer step.
+    # name); a CUDA tensor gives an alias. It is a view of t's own storage, so a tier move
+    # (which frees the old block) and a pending optimizer step apply to it; a raw capsule,
+    # which kept reading the freed block after a move, is refused with what to do.
+    import numpy as np
     from torch.utils.dlpack import DLDeviceType
     x = torch.arange(6.0).to("superchip").view(2, 3)
     assert x.__dlpack_device__() == (DLDeviceType.kDLExtDev, 0)
@@ -441,6 +444,16 @@ def test_dlpack_gives_an_alias_as_for_cuda():
     assert y.device == x.device and y.data_ptr() == x.data_ptr() and y.shape == x.shape
     y.add_(1)
     assert torch.equal(x.cpu(), torch.arange(1.0, 7.0).view(2, 3))
+    superchip.move_to_tier(x, "host")
+    x.fill_(5.0)
+    z = torch.full((2, 3), 7.0, device="superchip")  # may take x's old block
+    assert torch.equal(y.cpu(), torch.full((2, 3), 5.0)) and superchip.tier_of(y) == "host"
+    assert torch.equal(torch.from_dlpack(x, device="cpu"), torch.full((2, 3), 5.0))
+    assert torch.equal(torch.from_numpy(np.from_dlpack(x, device="cpu")), torch.full((2, 3), 5.0))
+    for capsule in (lambda: x.__dlpack__(), lambda: torch.utils.dlpack.to_dlpack(x)):
+        with pytest.raises(BufferError, match="torch.from_dlpack"):
+            capsule()
+    del z
     lin = torch.nn.Linear(64, 64).to("superchip")
     opt = superchip.optim.SGD(lin.parameters(), lr=0.5)
     before = lin.weight.detach().cpu()

@@ -44,6 +44,8 @@ struct TierModelRef {
     if (reserved > 0) {
       stats.reserved_bytes_total += reserved;
       stats.num_segment_allocs++;
+      stats.segments++;
+      stats.peak_segments = std::max(stats.peak_segments, stats.segments);
     }
     stats.peak_allocated_bytes = std::max(stats.peak_allocated_bytes, stats.allocated_bytes);
     stats.peak_reserved_bytes = std::max(stats.peak_reserved_bytes, stats.reserved_bytes);
@@ -63,6 +65,7 @@ struct TierModelRef {
     stats.reserved_bytes -= int64_t(*block);
     stats.released_bytes_total += int64_t(*block);
     stats.num_segment_frees++;
+    stats.segments--;
     cached.erase(block);
   }
   // Size of the cached block a request would reuse, 0 for a miss.
@@ -99,6 +102,8 @@ void expect_stats_eq(const TierStats& got, const TierStats& want, const char* ti
   EXPECT_EQ(got.released_bytes_total, want.released_bytes_total);
   EXPECT_EQ(got.num_segment_allocs, want.num_segment_allocs);
   EXPECT_EQ(got.num_segment_frees, want.num_segment_frees);
+  EXPECT_EQ(got.segments, want.segments);
+  EXPECT_EQ(got.peak_segments, want.peak_segments);
 }
 
 // Stamps the first and last 8 bytes of a block, so that overlapping blocks or a block
@@ -225,6 +230,7 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
         o.stats.requested_freed_total += int64_t(n);
         o.stats.released_bytes_total += int64_t(n);
         o.stats.num_segment_frees++;
+        o.stats.segments--;
         o.external_accounts--;
       } else {
         const size_t n = 1 + rng() % (2 * kMiB);
@@ -263,6 +269,7 @@ TEST_P(AllocatorStress, MatchesShadowModelAfterEveryStep) {
         o.stats.peak_reserved_bytes = o.stats.reserved_bytes;
         o.stats.peak_requested_bytes = o.stats.requested_bytes;
         o.stats.peak_active_allocations = o.stats.active_allocations;
+        o.stats.peak_segments = o.stats.segments;
       }
     } else {
       mm.reset_accumulated();
