@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <array>
-#include <deque>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <iterator>
 #include <map>
 #include <memory>
