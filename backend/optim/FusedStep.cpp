@@ -522,7 +522,7 @@ int64_t step_window_bytes() {
   const char* env = std::getenv("SUPERCHIP_STEP_WINDOW_BYTES");
   if (env == nullptr || *env == '\0') return kDefaultWindowBytes;
   // The forms of the tier budgets (bytes, 64M, 1G), read the same way.
-  const size_t v = parse_bytes(env, "SUPERCHIP_STEP_WINDOW_BYTES");
+  const size_t v = parse_bytes(env, "SUPERCHIP_STEP_WINDOW_BYTES", /*zero_is_unlimited=*/false);
   TORCH_CHECK(v >= static_cast<size_t>(kMinWindowBytes), "SUPERCHIP_STEP_WINDOW_BYTES must be at least ",
               kMinWindowBytes, " bytes; got '", env, "'. Unset it for the default (64M).");
   return static_cast<int64_t>(v);  // parse_bytes refuses 2^63 and more

@@ -176,7 +176,7 @@ long parse_whole_number(const std::string& text) {
   return v;
 }
 
-size_t parse_bytes(const std::string& text, const char* what) {
+size_t parse_bytes(const std::string& text, const char* what, bool zero_is_unlimited) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
   double scale = 1;
@@ -199,7 +199,7 @@ size_t parse_bytes(const std::string& text, const char* what) {
               " must be a byte count such as 1073741824, 512M or 8G; got '", text, "'.");
   // 0 is "no budget"; a fraction of a byte would read as that too.
   TORCH_CHECK(v == 0 || v * scale >= 1, what, "='", text, "' is less than one byte; give a "
-              "byte count such as 512M or 8G (0 means no budget).");
+              "byte count such as 512M or 8G", zero_is_unlimited ? " (0 means no budget)." : ".");
   // Past 2^63 the conversion to size_t is undefined (x86 gives 0, which reads as "no budget").
   TORCH_CHECK(v * scale < 9223372036854775808.0, what, "='", text,
               "' is more than 2^63 bytes; give the budget the machine has, such as 512M or 8G.");

@@ -50,7 +50,8 @@ MemoryManager& memory(c10::DeviceIndex index);
 MemoryManager* memory_if_created(c10::DeviceIndex index) noexcept;
 
 // Parses "123", "64M", "8G", "1.5G" (binary units). Raises a user error naming `what`.
-size_t parse_bytes(const std::string& text, const char* what);
+// `zero_is_unlimited`: the setting's 0 means no budget (the tiers'), which its errors say.
+size_t parse_bytes(const std::string& text, const char* what, bool zero_is_unlimited = true);
 // A whole number with optional spaces around it (a CR too); -1 when it is not one.
 long parse_whole_number(const std::string& text);
 
