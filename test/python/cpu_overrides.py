@@ -21,7 +21,15 @@ from __future__ import annotations
 import copy
 import unittest
 
-from torch.testing._internal.common_methods_invocations import op_db, python_ref_db
+from torch.testing._internal.common_methods_invocations import (
+    foreach_binary_op_db,
+    foreach_other_op_db,
+    foreach_pointwise_op_db,
+    foreach_reduce_op_db,
+    foreach_unary_op_db,
+    op_db,
+    python_ref_db,
+)
 from torch.testing._internal.opinfo.core import DecorateInfo
 
 # The PyTorch test whose check the OpInfo sweep performs: the op on the device against the
@@ -38,10 +46,14 @@ def _is_cpu(info: DecorateInfo) -> bool:
 def cpu_op_overrides(ops=None) -> dict[str, list[DecorateInfo]]:
     """Every DecorateInfo that PyTorch attaches to an op for device_type 'cpu' (expected
     failures, skips, tolerance overrides), copied and re-targeted to PrivateUse1. By default
-    from op_db and python_ref_db (the ``_refs.*`` entries test_ops.py's ``test_python_ref*``
-    tests run; their names never collide with op_db's)."""
+    from op_db, python_ref_db (the ``_refs.*`` entries test_ops.py's ``test_python_ref*``
+    tests run) and the ``_foreach_*`` lists test_foreach.py runs (a cpu "flaky" skip of
+    _foreach_pow's complex64 parity was missed: found running test_foreach.py on superchip);
+    their names never collide."""
     overrides: dict[str, list[DecorateInfo]] = {}
-    for op in (*op_db, *python_ref_db) if ops is None else ops:
+    default = (*op_db, *python_ref_db, *foreach_unary_op_db, *foreach_binary_op_db,
+               *foreach_pointwise_op_db, *foreach_reduce_op_db, *foreach_other_op_db)
+    for op in default if ops is None else ops:
         for info in op.decorators:
             if isinstance(info, DecorateInfo) and _is_cpu(info):
                 carried = copy.copy(info)

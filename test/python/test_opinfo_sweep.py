@@ -248,6 +248,8 @@ def test_cpu_decorations_carry_over():
     # test_python_ref_torch_fallback (missed before: only op_db was carried over).
     assert any(i.test_name == "test_python_ref_torch_fallback"
                for i in overrides.get("_refs.nn.functional.pdist", ())), overrides.get("_refs.nn.functional.pdist")
+    # and the foreach lists' (test_foreach.py): _foreach_pow's cpu "flaky" skip of test_parity.
+    assert any(i.test_name == "test_parity" for i in overrides.get("_foreach_pow", ())), overrides.get("_foreach_pow")
     assert all(i.device_type == "privateuse1" for infos in overrides.values() for i in infos)
 
     if not hasattr(PrivateUse1TestBase, "_apply_op_overrides"):
