@@ -42,7 +42,8 @@
 //  - the hbm budget differs from the one the plan was made for;
 //  - a planned weight died (a new model);
 //  - a weight outside the order is read in three periods in a row (it persists: a new
-//    weight), or 16 of them in a row with no planned weight among them (a new model);
+//    weight; more when inputs reused for a few passes came before: Note [Inputs reused for a
+//    few passes]), or 16 of them in a row with no planned weight among them (a new model);
 //  - more than a quarter of the reads of a window (as many reads as the order has) were
 //    mispredicted, unless that window is an isolated event (Note [Nested periods]), at most
 //    three times in a row (after that it stops planning: "unplanned", copies at use, until it
@@ -159,6 +160,31 @@
 // recording that includes it. Dead weights' entries are purged with their addresses, which a later batch may
 // reuse; a storage marked anew at a dead one's address starts with a clean record.
 //
+// Note [Inputs reused for a few passes]
+// An input copied in once and read for a few passes (inputs_embeds or pixel_values kept for
+// several PPO epochs; measured: an MLP 4x the budget, each input used for 4 passes) was read
+// in three periods in a row and taken for a new weight: a recording (two periods with no
+// prefetch) for every input, 6 plans in 24 passes, 11 copies at use per pass against 1 for
+// inputs used once. Nothing at its arrival tells it from a second model's weight (both are
+// copied in while passes run), so its life does: a weight taken in that way (admit_late) and
+// dead within kLateLife x late_runs periods of it was an input, and the next weight must be read
+// in twice as many periods in a row to be taken in (late_runs: 3, then 6, ..., at most 64).
+// Inputs reused K times stop being taken in after about log2(K / 3) of them; a second model
+// then waits late_runs periods (read in place or staged at use meanwhile, same bits). And a
+// recording admits what is marked when it starts only for a new model (the first recording, a
+// weight known to be a model's, 16 young reads in a row, a weight taken in, a planned weight
+// dead while many weights marked since the last admission live: plan_died()): one that follows
+// a plan's failure (a planned input died, misses, a new budget, moves that failed) keeps the
+// last admission, or every such recording took the input of that moment in and lost it with
+// the next one. A weight known to be a model's when marked (Weight::of_model: a parameter a
+// module registers while passes run, resize_token_embeddings' new table) is never young, nor
+// is one alive kLateLife x late_runs periods after it was marked (Weight::mark_period).
+// Measured after: K=4, 3 plans in all and 1 copy at use per pass once settled; K=8, 5; K=20,
+// 8 (late_runs 24). Not solved: a frozen second model read between a forward and its
+// backward (a reference model's loss term) makes the backward's first read jump back in the
+// order, two periods a pass, and its reads, one period in two, never make a run: it stays
+// outside the plan (reads in place or at use, same bits) until a plan fails for another reason.
+//
 // Note [Row reads]
 // An embedding lookup (or index_select) reads a few rows of its table: staging the whole
 // table to read them moves the table's bytes where the kernel needs only tokens x row bytes
@@ -247,6 +273,10 @@ constexpr size_t kHorizon = 8;                      // Note [Nested periods]
 constexpr int kFallbackBad = 8;                     // Note [Nested periods]
 constexpr size_t kMaxMinPeriod = size_t{1} << 14;  // Note [Nested periods]
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
+constexpr int kLateRuns = 3;         // Note [Inputs reused for a few passes]
+constexpr int kMaxLateRuns = 64;     // Note [Inputs reused for a few passes]
+constexpr int64_t kLateLife = 4;     // Note [Inputs reused for a few passes]: x late_runs periods
+constexpr size_t kMaxLateAdmits = 8;  // weights taken in late that are watched for an early death
 constexpr int kApplyTries = 4;       // Note [Promotions]
 constexpr int64_t kStuckRetry = 8;   // Note [Promotions]: periods before stuck weights are retried
 constexpr int64_t kStuckRetryMax = 1024;
@@ -420,7 +450,14 @@ struct WeightStreamer::Impl {
     bool by_hand = false;  // placed by superchip.move_to_tier: the plan never moves it
     bool stuck = false;    // a move a plan asked for failed: plans leave it where it is for a
                            // while (Note [Promotions])
+    bool of_model = false;  // known to be a model's when marked: never young
+    int64_t mark_period = 0;  // `periods` when it was marked
   };
+  // Marked lately: within kLateLife x late_runs periods (Note [Inputs reused for a few passes]).
+  bool marked_lately(const Weight& w) const { return periods - w.mark_period <= kLateLife * late_runs; }
+  // Marked since the last admission, lately, and not known to be a model's: a batch, or a weight
+  // that has yet to show it persists (Note [Inputs are not weights]).
+  bool young(const Weight& w) const { return w.marked > rec_marks && !w.of_model && marked_lately(w); }
   std::unordered_map<const c10::StorageImpl*, Weight> weights;
   size_t purge_at = 1024;
   // Note [Dead batches leave soon]: an entry's weak pointer keeps its dead StorageImpl (a
@@ -435,7 +472,8 @@ struct WeightStreamer::Impl {
   // ring of the last 8 marks missed a batch that lived across 8 other marks: found by review).
   std::deque<std::pair<const c10::StorageImpl*, uint64_t>> mark_queue;  // (storage, its `marked`)
   uint64_t marks = 0;      // weights marked so far
-  uint64_t rec_marks = 0;  // `marks` when recording began
+  uint64_t rec_marks = 0;  // `marks` when weights were last admitted (Note [Inputs reused for a few passes])
+  bool admit_on_start = true;  // whether a recording from kIdle admits what is marked
   size_t young_streak = 0;  // reads in a row of weights marked since then
   size_t unknown_streak = 0;  // streaming: reads in a row of weights outside the order
 
@@ -518,6 +556,11 @@ struct WeightStreamer::Impl {
     int run;
   };
   std::unordered_map<const c10::StorageImpl*, Unknown> unknown_seen;
+  // Note [Inputs reused for a few passes]: periods in a row that take a weight outside the
+  // order in; the weights taken in so (with `periods` then) that may still die young.
+  int late_runs = kLateRuns;
+  int64_t periods = 0;  // periods completed while streaming, all plans
+  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> late_admits;
   std::unordered_set<const c10::StorageImpl*> rows_read;  // read by rows while recording (kept
                                                           // while streaming)
   std::vector<Item> row_only;  // of those, the plan's weights never read whole
@@ -561,10 +604,14 @@ struct WeightStreamer::Impl {
     trace_pairs.clear();
   }
 
-  void start_recording() {
+  // `admit`: the weights marked so far may be recorded (a new model, a weight that persists),
+  // or only those admitted before (a plan that died or failed: Note [Inputs reused for a few
+  // passes]).
+  void start_recording(bool admit = true) {
     state = State::kRecording;
     clear_trace();
-    rec_marks = marks;
+    if (admit) rec_marks = marks;
+    admit_on_start = admit;  // kIdle, set right after this, keeps it
     approx_next = 0;
     young_streak = 0;
     unknown_streak = 0;
@@ -944,7 +991,7 @@ struct WeightStreamer::Impl {
     // Note [Inputs are not weights]: marked since recording began, so not part of the order,
     // unless nothing else is read (a model that came after recording began).
     auto w = weights.find(s);
-    if (w != weights.end() && w->second.marked > rec_marks) {
+    if (w != weights.end() && young(w->second)) {
       if (++young_streak < kYoungStreak) return;
       forget_loop();
       start_recording();  // now none of them is young
@@ -1116,15 +1163,64 @@ struct WeightStreamer::Impl {
       depth = 0;
       reach.clear();
     } else {
-      start_recording();
+      start_recording(/*admit=*/false);
     }
+  }
+
+  // Note [Inputs reused for a few passes]: `s`, read outside the order in late_runs periods in
+  // a row, is taken in by the recording that begins now.
+  void admit_late(const c10::StorageImpl* s) {
+    auto w = weights.find(s);
+    if (w == weights.end()) return;
+    if (late_admits.size() == kMaxLateAdmits) late_admits.erase(late_admits.begin());
+    late_admits.emplace_back(w->second.weak, periods);
+  }
+
+  // Note [Inputs reused for a few passes]: a weight taken in late and dead within kLateLife x
+  // late_runs periods was an input reused for a few passes: the next must persist twice as
+  // long to be taken in. Called when a planned weight died, and before taking one in.
+  void note_late_deaths() {
+    bool young_death = false;
+    for (auto it = late_admits.begin(); it != late_admits.end();) {
+      const bool dead = it->first.expired();
+      if (dead || periods - it->second > kLateLife * late_runs) {
+        young_death |= dead && periods - it->second <= kLateLife * late_runs;
+        it = late_admits.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (young_death) late_runs = std::min(2 * late_runs, kMaxLateRuns);
+  }
+
+  // A planned weight died (prefetch() or release_staging() found it): a new model when weights
+  // marked since the last admission are alive, at least kYoungStreak / 2 of them or as many bytes
+  // as half the plan's (Note [Streaming plan]), else an input reused for a few passes (Note
+  // [Inputs reused for a few passes]) or a weight the user dropped. (Not by how many of the
+  // plan's weights died: a deleted model's staged copies keep its weights alive a while.)
+  void plan_died() {
+    note_late_deaths();
+    size_t young = 0;
+    size_t young_bytes = 0;
+    for (const auto& [s, w] : weights) {
+      if (w.marked > rec_marks && marked_lately(w) && !w.weak.expired()) {
+        young++;
+        young_bytes += s->nbytes();
+      }
+    }
+    size_t plan_bytes = 0;
+    for (const auto& [s, k] : first) plan_bytes += order[k].nbytes;
+    const bool new_model = 2 * young >= kYoungStreak || 2 * young_bytes >= plan_bytes;
+    replans_in_row = 0;
+    if (new_model) forget_loop();
+    start_recording(/*admit=*/new_model);
   }
 
   // Follows the plan with one (collapsed) read. Returns false when the plan was dropped.
   bool follow(const c10::StorageImpl* prev, const c10::StorageImpl* s) {
     if (hbm_capacity() != plan_capacity) {
       replans_in_row = 0;
-      start_recording();
+      start_recording(/*admit=*/false);
       return false;
     }
     const size_t n = order.size();
@@ -1148,7 +1244,8 @@ struct WeightStreamer::Impl {
           u->second.run = period == u->second.period + 1 ? u->second.run + 1 : 1;
           u->second.period = period;
         }
-        if (u->second.run >= 3) {
+        if (u->second.run >= late_runs && (note_late_deaths(), u->second.run >= late_runs)) {
+          admit_late(s);
           replans_in_row = 0;
           forget_loop();
           start_recording();
@@ -1175,12 +1272,13 @@ struct WeightStreamer::Impl {
     if (pos <= cursor && !(pos == cursor && n == 1)) {
       // Wrapped: a period ended (a misprediction that jumps back ends one too).
       period++;
+      periods++;
       if (reach_stale) compute_reach();
       if (stuck_retry_at >= 0 && period >= stuck_retry_at) {
         // Note [Promotions]: the moves that failed are tried again by a new plan.
         for (auto& w : weights) w.second.stuck = false;
         replans_in_row = 0;
-        start_recording();
+        start_recording(/*admit=*/false);
         return false;
       }
     }
@@ -1391,7 +1489,7 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
     impl_->weights.insert_or_assign(
         &storage, Impl::Weight{c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage)),
-                               ++impl_->marks});
+                               ++impl_->marks, false, false, false, impl_->periods});
     impl_->mark_queue.emplace_back(&storage, impl_->marks);
     // Note [Inputs are not weights]: a model's weight is not young.
     if (of_model && impl_->state == State::kRecording) {
@@ -1399,6 +1497,7 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
       impl_->start_recording();
     }
   }
+  if (of_model) impl_->weights.find(&storage)->second.of_model = true;  // inserted or alive
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.
   if (impl_->enabled && impl_->in_host(&storage)) impl_->active.store(true, std::memory_order_release);
@@ -1468,7 +1567,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     // A batch (Note [Inputs are not weights]) neither ends a rotation nor is remembered: read
     // inside an inner loop (an MoE layer's experts reading the model's input), it would hide
     // the rotation.
-    const bool batch = d.state != State::kIdle && w->second.marked > d.rec_marks;
+    const bool batch = d.state != State::kIdle && d.young(w->second);
     if (s == d.actual) {
       // Read again at once: counts once.
       if (s == d.last && d.rotation == 0 && d.recent_n > 0) d.recent_twice[d.recent_n - 1] = true;
@@ -1479,7 +1578,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
       if (!batch) d.remember(s);
       switch (d.state) {
         case State::kIdle:
-          d.start_recording();
+          d.start_recording(d.admit_on_start);
           d.record(prev, s, s->nbytes());
           break;
         case State::kRecording:
@@ -1493,7 +1592,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
           if (++d.unplanned_reads >= d.unplanned_retry) {
             d.unplanned_retry = std::min(kMaxRetry, 2 * d.unplanned_retry);
             d.replans_in_row = 0;
-            d.start_recording();
+            d.start_recording(/*admit=*/false);
             d.record(prev, s, s->nbytes());
           }
           break;
@@ -1502,7 +1601,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
     }
     d.free_dropped_blocks();  // copies dropped by this read or by writes since the last one
     if (!host) {
-      if (!d.prefetch()) d.start_recording();
+      if (!d.prefetch()) d.plan_died();
       dead.swap(d.graveyard);
       return {};
     }
@@ -1546,12 +1645,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
         d.st.in_place_reads++;
       }
     }
-    if (!d.prefetch()) {
-      // A planned weight died: a new model (Note [Streaming plan]).
-      d.replans_in_row = 0;
-      d.forget_loop();
-      d.start_recording();
-    }
+    if (!d.prefetch()) d.plan_died();
     if (e) {
       auto* use = new StagedUse{e};
       result = c10::DataPtr(e->block, use, &staged_release, executor_device);
@@ -1722,7 +1816,7 @@ bool WeightStreamer::apply() {
     d.stuck_capacity = d.plan_capacity;
     d.stuck_backoff = d.stuck_backoff == 0 ? kStuckRetry : std::min(2 * d.stuck_backoff, kStuckRetryMax);
     d.replans_in_row = 0;
-    d.start_recording();
+    d.start_recording(/*admit=*/false);
     return false;
   }
   d.allocate_arena();
@@ -1767,10 +1861,8 @@ void WeightStreamer::release_staging() {
     bool plan_dead = false;
     for (const auto& it : d.order) plan_dead |= it.weak.expired();
     if (plan_dead) {
-      d.replans_in_row = 0;
-      d.forget_loop();
+      d.plan_died();  // drops the arena: freed with its last copy, in `dead`
       d.forget_reads();
-      d.start_recording();  // drops the arena: freed with its last copy, in `dead`
       d.state = State::kIdle;
     }
     dead.swap(d.graveyard);
