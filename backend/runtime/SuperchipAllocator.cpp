@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -386,7 +387,29 @@ MemoryManager& pinned_memory() {
   return *m;
 }
 
-void pinned_delete(void* ptr) noexcept { pinned_memory().free(ptr); }
+// Note [Pinned interior pointers]: is_pinned() of a storage sliced from a pinned one
+// (untyped_storage()[k:], as torch's own storage tests rewrap) asks about an address inside a
+// pinned block, which CUDA's cudaPointerGetAttributes answers for any address of a pinned
+// allocation; the allocator knows blocks by their start. So the live pinned blocks' extents
+// are kept here too (pinning is per batch at most: a map is cheap enough).
+struct PinnedExtents {
+  std::mutex mu;
+  std::map<uintptr_t, size_t> blocks;  // start -> bytes asked for
+};
+
+PinnedExtents& pinned_extents() {
+  static auto* e = new PinnedExtents();  // leaked on purpose, as pinned_memory()
+  return *e;
+}
+
+void pinned_delete(void* ptr) noexcept {
+  if (ptr != nullptr) {
+    PinnedExtents& e = pinned_extents();
+    std::lock_guard<std::mutex> lock(e.mu);
+    e.blocks.erase(reinterpret_cast<uintptr_t>(ptr));
+  }
+  pinned_memory().free(ptr);
+}
 
 class PinnedAllocator final : public c10::Allocator {
  public:
@@ -396,6 +419,11 @@ class PinnedAllocator final : public c10::Allocator {
       p = pinned_memory().allocate(nbytes, Tier::kHost);
     } catch (const OutOfTierMemory& e) {
       rethrow_as_torch_oom(e);
+    }
+    if (p != nullptr) {
+      PinnedExtents& e = pinned_extents();
+      std::lock_guard<std::mutex> lock(e.mu);
+      e.blocks[reinterpret_cast<uintptr_t>(p)] = nbytes;
     }
     return {p, p, &pinned_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -740,6 +768,16 @@ c10::Allocator* pinned_allocator() {
   return &a;
 }
 
-bool is_pinned_ptr(const void* ptr) { return pinned_memory().tier_of(ptr).has_value(); }
+bool is_pinned_ptr(const void* ptr) {
+  if (ptr == nullptr) return false;
+  // Note [Pinned interior pointers]
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  PinnedExtents& e = pinned_extents();
+  std::lock_guard<std::mutex> lock(e.mu);
+  auto it = e.blocks.upper_bound(a);
+  if (it == e.blocks.begin()) return false;
+  --it;
+  return a == it->first || a < it->first + it->second;
+}
 
 }  // namespace superchip

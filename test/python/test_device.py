@@ -3,6 +3,7 @@ events, the executor choice and ``python -m superchip info``."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -302,3 +303,42 @@ def test_an_operator_the_executor_lacks_names_superchip_and_what_to_do():
     with pytest.raises(NotImplementedError, match="not implemented for 'ComplexFloat'") as e:
         torch.mode(z, out=(values, indices))
     assert "superchip" not in str(e.value), e.value
+
+
+def test_legacy_profiler_with_use_device_superchip():
+    # Note [Profiler stubs] (runtime/ProfilerStubs.cpp): torch.autograd.profiler.profile(
+    # use_device="superchip") times operators through PrivateUse1's profiler stubs. None were
+    # registered: every operator's callback raised "PrivateUse1 used in profiler but not
+    # enabled" (printed with a C++ stack trace), then a Kineto internal assert, and the times
+    # were garbage (cpu_time_total about -1.5e17 us). Found by torch_openreg's profiler tests.
+    r = run_python(textwrap.dedent("""
+        import json, torch, superchip
+        from torch.autograd.profiler import profile
+        x = torch.randn(64, 64, device="superchip")
+        with profile(use_device="superchip") as prof:
+            for _ in range(5):
+                y = x @ x
+            torch.superchip.synchronize()
+        ev = [e for e in prof.function_events if e.name == "aten::mm"]
+        print(json.dumps(dict(n=len(ev), cpu=[e.cpu_time_total for e in ev],
+                              keys=[a.key for a in prof.key_averages()])))
+    """))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not enabled" not in r.stderr and "INTERNAL ASSERT" not in r.stderr, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n"] == 5 and all(0 <= t < 60e6 for t in out["cpu"]), out
+    assert "aten::mm" in out["keys"], out
+
+
+def test_a_slice_of_a_pinned_storage_is_pinned():
+    # Note [Pinned interior pointers] (runtime/SuperchipAllocator.cpp): a storage sliced from a
+    # pinned one (untyped_storage()[k:]) starts inside a pinned block; it was reported not
+    # pinned (the allocator knows blocks by their start), where CUDA reports it pinned.
+    a = torch.randn(64).pin_memory()
+    assert a.is_pinned() and a.untyped_storage().is_pinned()
+    for off in (4, 100, 252):
+        s = a.untyped_storage()[off:]
+        assert s.is_pinned(), off
+        assert torch.tensor((), dtype=torch.uint8).set_(s).is_pinned(), off
+    assert not torch.randn(64).is_pinned()
+    assert not torch.randn(64).untyped_storage()[4:].is_pinned()
