@@ -69,7 +69,10 @@ def synchronize(device=None) -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """Whether this is a child forked after CUDA was set up in its parent, where CUDA cannot be
+    used (torch.manual_seed, which a DataLoader's forked workers call, then leaves the
+    device's generators alone, as it does CUDA's). Emulated: never (Note [Fork])."""
+    return _C._executor() == "cuda" and torch.cuda._is_in_bad_fork()
 
 
 def _generator(device=None) -> torch.Generator:
