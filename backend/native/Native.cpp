@@ -282,8 +282,10 @@ void register_weight(const at::Tensor& t, bool place) {
   }
   c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
   if (storage.data() == nullptr) return;
-  if (WeightStreamer::get().is_weight(&storage)) return;
-  if (place) place_registered_weight(storage);
+  // Marked already (copied in from the CPU): now known to be a model's (a parameter an optimizer
+  // steps, Note [Inputs reused for a few passes]); placed when it came.
+  const bool marked = WeightStreamer::get().is_weight(&storage);
+  if (place && !marked) place_registered_weight(storage);
   WeightStreamer::get().mark_weight(storage, /*of_model=*/true);
 }
 

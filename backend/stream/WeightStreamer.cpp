@@ -166,24 +166,31 @@
 // in three periods in a row and taken for a new weight: a recording (two periods with no
 // prefetch) for every input, 6 plans in 24 passes, 11 copies at use per pass against 1 for
 // inputs used once. Nothing at its arrival tells it from a second model's weight (both are
-// copied in while passes run), so its life does: a weight taken in that way (admit_late) and
-// dead within kLateLife x late_runs periods of it was an input, and the next weight must be read
-// in twice as many periods in a row to be taken in (late_runs: 3, then 6, ..., at most 64).
-// Inputs reused K times stop being taken in after about log2(K / 3) of them; a second model
-// then waits late_runs periods (read in place or staged at use meanwhile, same bits). And a
-// recording admits what is marked when it starts only for a new model (the first recording, a
-// weight known to be a model's, 16 young reads in a row, a weight taken in, a planned weight
-// dead while many weights marked since the last admission live: plan_died()): one that follows
-// a plan's failure (a planned input died, misses, a new budget, moves that failed) keeps the
-// last admission, or every such recording took the input of that moment in and lost it with
-// the next one. A weight known to be a model's when marked (Weight::of_model: a parameter a
-// module registers while passes run, resize_token_embeddings' new table) is never young, nor
-// is one alive kLateLife x late_runs periods after it was marked (Weight::mark_period).
-// Measured after: K=4, 3 plans in all and 1 copy at use per pass once settled; K=8, 5; K=20,
-// 8 (late_runs 24). Not solved: a frozen second model read between a forward and its
-// backward (a reference model's loss term) makes the backward's first read jump back in the
-// order, two periods a pass, and its reads, one period in two, never make a run: it stays
-// outside the plan (reads in place or at use, same bits) until a plan fails for another reason.
+// copied in while passes run), so:
+//  - A model's weights come several at a time: when kModelWeights weights outside the order
+//    persist (kLateRuns periods in a row), or the one read is known to be a model's
+//    (Weight::of_model: a parameter a module registers, or one an optimizer steps), it is
+//    taken in at kLateRuns, as before.
+//  - A lone one is taken in at late_runs (admit_late), which starts at kLateRuns; when one so
+//    taken in dies, it was an input, and the next lone one must be read in more periods in a
+//    row than it lived (at least twice as many as it needed); past kMaxLateRuns lone weights
+//    are not taken in any more (kLoneClosed). Inputs reused K times stop being taken in after
+//    the first such input dies: 1 more recording, not one per input.
+//  - A recording that follows a plan's failure (a planned input died, misses, a new budget,
+//    moves that failed) admits what was marked since the last admission only when a model
+//    came meanwhile (new_arrivals(): kModelWeights weights marked lately, or half the plan's
+//    bytes), or every such recording took the input of that moment in and lost it with the
+//    next one. A weight alive kLateLife x late_runs periods after it was marked is not young.
+// Measured on a review's scenarios (12-layer MLP 4x the budget, SGD, bitwise equal to CPU
+// before and after; plans made once the first inputs are gone): PPO with K = 3, 4, 13, 16, 24
+// passes per input, 6 plans before each, 0, 0, 2, 2, 2 after; K = 100 over 5 inputs, 5 before,
+// 3 after (then none: lone inputs closed); inference with an input kept for 24 and 64 calls, 6
+// and 3 before, 1 and 2 after. Left: tiny models (4-8
+// weights) whose passes read no input the trace keeps plan a longer period (45-52 reads, not
+// 7-15); a frozen second model read between a forward and its backward (a reference model's
+// loss term) makes the backward's first read jump back in the order, two periods a pass, and
+// its reads, one period in two, never make a run: it stays outside the plan (reads in place or
+// at use, same bits) until a plan fails for another reason.
 //
 // Note [Row reads]
 // An embedding lookup (or index_select) reads a few rows of its table: staging the whole
@@ -273,10 +280,15 @@ constexpr size_t kHorizon = 8;                      // Note [Nested periods]
 constexpr int kFallbackBad = 8;                     // Note [Nested periods]
 constexpr size_t kMaxMinPeriod = size_t{1} << 14;  // Note [Nested periods]
 constexpr size_t kYoungStreak = 16;  // Note [Inputs are not weights]
-constexpr int kLateRuns = 3;         // Note [Inputs reused for a few passes]
-constexpr int kMaxLateRuns = 64;     // Note [Inputs reused for a few passes]
-constexpr int64_t kLateLife = 4;     // Note [Inputs reused for a few passes]: x late_runs periods
-constexpr size_t kMaxLateAdmits = 8;  // weights taken in late that are watched for an early death
+// Note [Inputs reused for a few passes]: periods in a row that take a weight outside the order
+// in (late_runs for a lone one), the most a lone one may need before they are not taken in
+// (kLoneClosed), what counts as a model's arrival, and young weights' life.
+constexpr int kLateRuns = 3;
+constexpr int kMaxLateRuns = 64;
+constexpr int kLoneClosed = 1 << 30;
+constexpr size_t kModelWeights = 4;
+constexpr int64_t kLateLife = 4;      // x late_runs periods (at most kMaxLateRuns)
+constexpr size_t kMaxLateAdmits = 8;  // lone weights taken in late, watched for their death
 constexpr int kApplyTries = 4;       // Note [Promotions]
 constexpr int64_t kStuckRetry = 8;   // Note [Promotions]: periods before stuck weights are retried
 constexpr int64_t kStuckRetryMax = 1024;
@@ -454,7 +466,9 @@ struct WeightStreamer::Impl {
     int64_t mark_period = 0;  // `periods` when it was marked
   };
   // Marked lately: within kLateLife x late_runs periods (Note [Inputs reused for a few passes]).
-  bool marked_lately(const Weight& w) const { return periods - w.mark_period <= kLateLife * late_runs; }
+  bool marked_lately(const Weight& w) const {
+    return periods - w.mark_period <= kLateLife * std::min(late_runs, kMaxLateRuns);
+  }
   // Marked since the last admission, lately, and not known to be a model's: a batch, or a weight
   // that has yet to show it persists (Note [Inputs are not weights]).
   bool young(const Weight& w) const { return w.marked > rec_marks && !w.of_model && marked_lately(w); }
@@ -556,11 +570,15 @@ struct WeightStreamer::Impl {
     int run;
   };
   std::unordered_map<const c10::StorageImpl*, Unknown> unknown_seen;
-  // Note [Inputs reused for a few passes]: periods in a row that take a weight outside the
-  // order in; the weights taken in so (with `periods` then) that may still die young.
+  // Note [Inputs reused for a few passes]: periods in a row that take a lone weight outside the
+  // order in (kLoneClosed: never); the lone weights taken in so (and when they were marked).
   int late_runs = kLateRuns;
   int64_t periods = 0;  // periods completed while streaming, all plans
-  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> late_admits;
+  struct LateAdmit {
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+    int64_t marked_at;  // `periods` when it was marked
+  };
+  std::vector<LateAdmit> late_admits;
   std::unordered_set<const c10::StorageImpl*> rows_read;  // read by rows while recording (kept
                                                           // while streaming)
   std::vector<Item> row_only;  // of those, the plan's weights never read whole
@@ -1163,64 +1181,82 @@ struct WeightStreamer::Impl {
       depth = 0;
       reach.clear();
     } else {
-      start_recording(/*admit=*/false);
+      record_again();
     }
   }
 
-  // Note [Inputs reused for a few passes]: `s`, read outside the order in late_runs periods in
-  // a row, is taken in by the recording that begins now.
+  // Note [Inputs reused for a few passes]: `s`, a lone weight read outside the order in
+  // late_runs periods in a row, is taken in by the recording that begins now.
   void admit_late(const c10::StorageImpl* s) {
     auto w = weights.find(s);
     if (w == weights.end()) return;
     if (late_admits.size() == kMaxLateAdmits) late_admits.erase(late_admits.begin());
-    late_admits.emplace_back(w->second.weak, periods);
+    late_admits.push_back({w->second.weak, w->second.mark_period});
   }
 
-  // Note [Inputs reused for a few passes]: a weight taken in late and dead within kLateLife x
-  // late_runs periods was an input reused for a few passes: the next must persist twice as
-  // long to be taken in. Called when a planned weight died, and before taking one in.
+  // Note [Inputs reused for a few passes]: a lone weight taken in late that died was an input:
+  // the next must be read in more periods in a row than it lived (at least twice as many as
+  // this one needed) to be taken in, and past kMaxLateRuns lone weights are not taken in any
+  // more. Called when a planned weight died, and before taking one in.
   void note_late_deaths() {
-    bool young_death = false;
     for (auto it = late_admits.begin(); it != late_admits.end();) {
-      const bool dead = it->first.expired();
-      if (dead || periods - it->second > kLateLife * late_runs) {
-        young_death |= dead && periods - it->second <= kLateLife * late_runs;
-        it = late_admits.erase(it);
-      } else {
+      if (!it->weak.expired()) {
         ++it;
+        continue;
       }
+      const int64_t lived = periods - it->marked_at;
+      const int64_t next = std::max<int64_t>(2 * late_runs, lived + 2);
+      late_runs = next > kMaxLateRuns ? kLoneClosed : static_cast<int>(next);
+      it = late_admits.erase(it);
     }
-    if (young_death) late_runs = std::min(2 * late_runs, kMaxLateRuns);
   }
 
-  // A planned weight died (prefetch() or release_staging() found it): a new model when weights
-  // marked since the last admission are alive, at least kYoungStreak / 2 of them or as many bytes
-  // as half the plan's (Note [Streaming plan]), else an input reused for a few passes (Note
-  // [Inputs reused for a few passes]) or a weight the user dropped. (Not by how many of the
-  // plan's weights died: a deleted model's staged copies keep its weights alive a while.)
-  void plan_died() {
-    note_late_deaths();
-    size_t young = 0;
-    size_t young_bytes = 0;
+  // Whether a model came since the last admission: at least kModelWeights weights marked lately
+  // since then are alive, or as many bytes as half the plan's weights (Note [Inputs reused for
+  // a few passes]). Not by how many of the plan's weights died: a deleted model's staged copies
+  // keep its weights alive a while.
+  bool new_arrivals() {
+    size_t n = 0;
+    size_t bytes = 0;
     for (const auto& [s, w] : weights) {
       if (w.marked > rec_marks && marked_lately(w) && !w.weak.expired()) {
-        young++;
-        young_bytes += s->nbytes();
+        n++;
+        bytes += s->nbytes();
       }
     }
     size_t plan_bytes = 0;
     for (const auto& [s, k] : first) plan_bytes += order[k].nbytes;
-    const bool new_model = 2 * young >= kYoungStreak || 2 * young_bytes >= plan_bytes;
+    return n >= kModelWeights || 2 * bytes >= plan_bytes;
+  }
+
+  // A new recording after the plan failed (misses, a new budget, moves that failed, a retry):
+  // it admits what was marked since the last admission only if a model came meanwhile.
+  void record_again() { start_recording(/*admit=*/new_arrivals()); }
+
+  // A planned weight died (prefetch() or release_staging() found it): a new model (Note
+  // [Streaming plan]), or an input reused for a few passes or a weight the user dropped.
+  void plan_died() {
+    note_late_deaths();
+    const bool new_model = new_arrivals();
     replans_in_row = 0;
     if (new_model) forget_loop();
     start_recording(/*admit=*/new_model);
+  }
+
+  // Lone weights outside the order read in kLateRuns periods in a row, this one included.
+  // More than one of them (a second model's weights) come in at kLateRuns, as a weight known
+  // to be a model's does (Note [Inputs reused for a few passes]).
+  size_t persisting_unknowns() const {
+    size_t n = 0;
+    for (const auto& [s, u] : unknown_seen) n += u.run >= kLateRuns && u.period + 1 >= period ? 1 : 0;
+    return n;
   }
 
   // Follows the plan with one (collapsed) read. Returns false when the plan was dropped.
   bool follow(const c10::StorageImpl* prev, const c10::StorageImpl* s) {
     if (hbm_capacity() != plan_capacity) {
       replans_in_row = 0;
-      start_recording(/*admit=*/false);
+      record_again();
       return false;
     }
     const size_t n = order.size();
@@ -1244,12 +1280,17 @@ struct WeightStreamer::Impl {
           u->second.run = period == u->second.period + 1 ? u->second.run + 1 : 1;
           u->second.period = period;
         }
-        if (u->second.run >= late_runs && (note_late_deaths(), u->second.run >= late_runs)) {
-          admit_late(s);
-          replans_in_row = 0;
-          forget_loop();
-          start_recording();
-          return false;
+        if (u->second.run >= kLateRuns) {
+          auto w = weights.find(s);
+          const bool model = (w != weights.end() && w->second.of_model) || persisting_unknowns() >= kModelWeights;
+          if (!model) note_late_deaths();
+          if (model || u->second.run >= late_runs) {
+            if (!model) admit_late(s);
+            replans_in_row = 0;
+            forget_loop();
+            start_recording();
+            return false;
+          }
         }
         if (++unknown_streak >= kYoungStreak) {
           // A new model, or the plan is one turn of an inner loop whose next turn reads other
@@ -1278,7 +1319,7 @@ struct WeightStreamer::Impl {
         // Note [Promotions]: the moves that failed are tried again by a new plan.
         for (auto& w : weights) w.second.stuck = false;
         replans_in_row = 0;
-        start_recording(/*admit=*/false);
+        record_again();
         return false;
       }
     }
@@ -1497,7 +1538,14 @@ void WeightStreamer::mark_weight(c10::StorageImpl& storage, bool of_model) {
       impl_->start_recording();
     }
   }
-  if (of_model) impl_->weights.find(&storage)->second.of_model = true;  // inserted or alive
+  if (of_model) {
+    // Known now (a parameter an optimizer steps): not young any more, so a recording that left
+    // it out begins again, as for a model's weight marked while recording.
+    Impl::Weight& w = impl_->weights.find(&storage)->second;  // inserted or alive
+    const bool was_young = impl_->young(w);
+    w.of_model = true;
+    if (was_young && impl_->state == State::kRecording) impl_->start_recording();
+  }
   // Active (operators call read()) once some weight lives in host: a model that fits in hbm
   // costs its operators one atomic load.
   if (impl_->enabled && impl_->in_host(&storage)) impl_->active.store(true, std::memory_order_release);
@@ -1592,7 +1640,7 @@ c10::DataPtr WeightStreamer::read(c10::StorageImpl* s, c10::Device executor_devi
           if (++d.unplanned_reads >= d.unplanned_retry) {
             d.unplanned_retry = std::min(kMaxRetry, 2 * d.unplanned_retry);
             d.replans_in_row = 0;
-            d.start_recording(/*admit=*/false);
+            d.record_again();
             d.record(prev, s, s->nbytes());
           }
           break;
@@ -1816,7 +1864,7 @@ bool WeightStreamer::apply() {
     d.stuck_capacity = d.plan_capacity;
     d.stuck_backoff = d.stuck_backoff == 0 ? kStuckRetry : std::min(2 * d.stuck_backoff, kStuckRetryMax);
     d.replans_in_row = 0;
-    d.start_recording(/*admit=*/false);
+    d.record_again();
     return false;
   }
   d.allocate_arena();
