@@ -172,20 +172,22 @@
 //    (Weight::of_model: a parameter a module registers, or one an optimizer steps), it is
 //    taken in at kLateRuns, as before.
 //  - A lone one is taken in at late_runs (admit_late), which starts at kLateRuns; when one so
-//    taken in dies, it was an input, and the next lone one must be read in more periods in a
-//    row than it lived (at least twice as many as it needed); past kMaxLateRuns lone weights
-//    are not taken in any more (kLoneClosed). Inputs reused K times stop being taken in after
-//    the first such input dies: 1 more recording, not one per input.
+//    taken in dies, it was an input, and the next lone one must be read in twice as many
+//    periods in a row as it lived (or as it needed); past kMaxLateRuns lone weights are not
+//    taken in any more (kLoneClosed). Inputs reused K times stop being taken in after the
+//    first such input dies: 1 more recording, not one per input.
 //  - A recording that follows a plan's failure (a planned input died, misses, a new budget,
 //    moves that failed) admits what was marked since the last admission only when a model
 //    came meanwhile (new_arrivals(): kModelWeights weights marked lately, or half the plan's
 //    bytes), or every such recording took the input of that moment in and lost it with the
 //    next one. A weight alive kLateLife x late_runs periods after it was marked is not young.
 // Measured on a review's scenarios (12-layer MLP 4x the budget, SGD, bitwise equal to CPU
-// before and after; plans made once the first inputs are gone): PPO with K = 3, 4, 13, 16, 24
-// passes per input, 6 plans before each, 0, 0, 2, 2, 2 after; K = 100 over 5 inputs, 5 before,
-// 3 after (then none: lone inputs closed); inference with an input kept for 24 and 64 calls, 6
-// and 3 before, 1 and 2 after. Left: tiny models (4-8
+// before and after; plans made once the first inputs are gone): PPO with K = 4, 16, 24 passes
+// per input, 6 plans before each, 0, 1, 1 after; K = 100 over 5 inputs, 5 before, 3 after (then
+// none: lone inputs closed); inference with an input kept for 24 and 64 calls, 6 and 3 before,
+// 0 and 1 after. An input left outside the plan and placed in host is copied at use at each
+// read (one small copy a pass, where each new plan cost two passes of weights copied at
+// use). Left: tiny models (4-8
 // weights) whose passes read no input the trace keeps plan a longer period (45-52 reads, not
 // 7-15); a frozen second model read between a forward and its backward (a reference model's
 // loss term) makes the backward's first read jump back in the order, two periods a pass, and
@@ -1195,17 +1197,18 @@ struct WeightStreamer::Impl {
   }
 
   // Note [Inputs reused for a few passes]: a lone weight taken in late that died was an input:
-  // the next must be read in more periods in a row than it lived (at least twice as many as
-  // this one needed) to be taken in, and past kMaxLateRuns lone weights are not taken in any
-  // more. Called when a planned weight died, and before taking one in.
+  // the next must be read in twice as many periods in a row as it lived (or as this one
+  // needed) to be taken in, and past kMaxLateRuns lone weights are not taken in any more.
+  // Called when a planned weight died, and before taking one in.
   void note_late_deaths() {
     for (auto it = late_admits.begin(); it != late_admits.end();) {
       if (!it->weak.expired()) {
         ++it;
         continue;
       }
+      // Twice its life: `periods` counts only periods that followed a plan (not recordings).
       const int64_t lived = periods - it->marked_at;
-      const int64_t next = std::max<int64_t>(2 * late_runs, lived + 2);
+      const int64_t next = 2 * std::max<int64_t>(late_runs, lived);
       late_runs = next > kMaxLateRuns ? kLoneClosed : static_cast<int>(next);
       it = late_admits.erase(it);
     }
