@@ -5,6 +5,7 @@
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
@@ -524,8 +525,32 @@ class ForwardedCall {
     o->set_member_tensors(compressed, plain, values, a->sizes());
   }
 
+  // Note [Views in inference mode]
+  // A result over an argument's bytes is a view of it, and autograd's view tracking (as_view)
+  // gives it the argument's version counter. Made inside torch.inference_mode() by the plain
+  // constructors, a result is an inference tensor, which has none: a view of a normal tensor
+  // raised "Cannot set version_counter for inference tensor" (nested views: transpose, view,
+  // unbind, narrow; found by PyTorch's test_nestedtensor run on superchip), where ATen's view
+  // kernels make views with TensorImpl::VIEW and the base's autograd keys, so a view of a
+  // normal tensor stays normal. The argument that `r` views, if it is a normal tensor viewed in
+  // inference mode; else nullptr.
+  const at::Tensor* viewed_in_inference_mode(const at::Tensor& r) const {
+    if (!c10::InferenceMode::is_enabled() || !r.has_storage()) return nullptr;
+    const c10::StorageImpl* es = r.storage().unsafeGetStorageImpl();
+    for (const AliasPair& p : pairs_) {
+      if (!p.alias.has_storage() || p.alias.storage().unsafeGetStorageImpl() != es) continue;
+      return p.original.is_inference() ? nullptr : &p.original;
+    }
+    return nullptr;
+  }
+
   at::Tensor retag_nested(const at::Tensor& r) {
     const at::native::NestedTensorImpl* nt = at::native::get_nested_tensor_impl(r);
+    if (const at::Tensor* base = viewed_in_inference_mode(r); base != nullptr && base->is_nested()) {
+      return at::detail::make_tensor<at::native::NestedTensorImpl>(
+          c10::TensorImpl::VIEW, *base, nt->get_nested_sizes(), nt->get_nested_strides(),
+          nt->get_storage_offsets());
+    }
     const at::Tensor buffer = retag(nt->get_unsafe_storage_as_tensor());
     return at::detail::make_tensor<at::native::NestedTensorImpl>(
         buffer, nt->get_nested_sizes(), nt->get_nested_strides(), nt->get_storage_offsets());
@@ -751,6 +776,20 @@ class ForwardedCall {
       c10::Storage storage = adopt_as_superchip_storage(r.storage(), device_);
       adopted_.emplace_back(es, storage);
       return superchip_tensor(std::move(storage), r);
+    }
+    if (const at::Tensor* base = viewed_in_inference_mode(r)) {
+      // Note [Views in inference mode]: made as ATen's view kernels make one.
+      // The keys the plain constructor gives outside inference mode (a dense result of a nested
+      // base too: AutogradPrivateUse1, not the base's AutogradNestedTensor).
+      constexpr auto backend = c10::BackendComponent::PrivateUse1Bit;
+      const c10::DispatchKeySet keys = keys_like(c10::DispatchKey::PrivateUse1, r) |
+                                       c10::getAutocastRelatedKeySetFromBackend(backend) |
+                                       c10::getAutogradRelatedKeySetFromBackend(backend);
+      auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base->storage()),
+                                                       keys, r.dtype());
+      impl->set_sizes_and_strides(r.sizes(), r.strides(), r.storage_offset());
+      copy_view_bits(impl.get(), r);
+      return at::Tensor(std::move(impl));
     }
     return retag_result(r, device_);
   }

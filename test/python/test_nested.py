@@ -121,3 +121,30 @@ def test_nested_tensors_save_and_load(tmp_path):
     assert back.is_nested and back.device == DEVICE
     assert all(torch.equal(b.cpu(), p) for b, p in zip(back.unbind(), parts))
     assert torch.load(tmp_path / "n.pt", map_location="cpu").device.type == "cpu"
+
+
+@pytest.mark.parametrize("op", ["transpose", "view", "unbind", "unsqueeze", "narrow"])
+def test_views_of_a_normal_tensor_made_in_inference_mode(op):
+    # Note [Views in inference mode] (native/Forward.cpp): a nested view op forwarded inside
+    # torch.inference_mode() of a tensor made outside it raised "Cannot set version_counter
+    # for inference tensor" (its result was made an inference tensor); CPU gives a normal view
+    # sharing the base's version counter. Found by PyTorch's test_nestedtensor on superchip.
+    fn = {"transpose": lambda t: t.transpose(-1, -2), "view": lambda t: t.view(2, -1, 3, 1),
+          "unbind": lambda t: t.unbind()[1], "unsqueeze": lambda t: t.unsqueeze(-1),
+          "narrow": lambda t: t.narrow(0, 0, 1)}[op]
+    parts = [torch.randn(2, 3), torch.randn(4, 3)]
+    out = {}
+    for dev in ("cpu", DEVICE):
+        nt = torch.nested.nested_tensor(parts, device=dev)
+        with torch.inference_mode():
+            v = fn(nt)
+            keys = str(torch._C._dispatch_keys(v)).replace("PrivateUse1", "CPU")
+        nt.add_(1)  # a write to the base: the view sees it and shares its version counter
+        out[dev] = (v.is_inference(), v._version, keys, v.cpu() if not v.is_nested else [t.cpu() for t in v.unbind()])
+    cpu, sc = out["cpu"], out[DEVICE]
+    assert cpu[:3] == sc[:3], (cpu[:3], sc[:3])
+    assert not sc[0] and sc[1] == 1
+    if isinstance(cpu[3], list):
+        assert all(torch.equal(a, b) for a, b in zip(cpu[3], sc[3]))
+    else:
+        assert torch.equal(cpu[3], sc[3])
