@@ -187,9 +187,9 @@
 // none: lone inputs closed); inference with an input kept for 24 and 64 calls, 6 and 3 before,
 // 0 and 1 after. An input left outside the plan and placed in host is copied at use at each
 // read (one small copy a pass, where each new plan cost two passes of weights copied at
-// use). Left: tiny models (4-8
-// weights) whose passes read no input the trace keeps plan a longer period (45-52 reads, not
-// 7-15); a frozen second model read between a forward and its backward (a reference model's
+// use). Left: tiny models (4-8 weights) whose passes read no input the trace keeps may plan
+// a longer period (45-52 reads, not 7-15; as before for inputs copied in each step); a
+// frozen second model read between a forward and its backward (a reference model's
 // loss term) makes the backward's first read jump back in the order, two periods a pass, and
 // its reads, one period in two, never make a run: it stays outside the plan (reads in place or
 // at use, same bits) until a plan fails for another reason.
@@ -1240,10 +1240,12 @@ struct WeightStreamer::Impl {
   // [Streaming plan]), or an input reused for a few passes or a weight the user dropped.
   void plan_died() {
     note_late_deaths();
-    const bool new_model = new_arrivals();
     replans_in_row = 0;
-    if (new_model) forget_loop();
-    start_recording(/*admit=*/new_model);
+    // What was learned of the loop goes, as it did before inputs were told apart: a plan that
+    // a dead input ended may have been a fallback with a long min_period (a tiny model after a
+    // 16-read streak outgrew the last plan: 40 steps of recording, found by review).
+    forget_loop();
+    start_recording(/*admit=*/new_arrivals());
   }
 
   // Lone weights outside the order read in kLateRuns periods in a row, this one included.
