@@ -394,3 +394,52 @@ class StreamContext:
 
 def stream(stream) -> StreamContext:
     return StreamContext(stream)
+
+
+# ---- legacy typed storages (torch.cuda.FloatStorage and its kin) ----
+# TypedStorage finds a device's legacy classes as torch.<device>.<Name>Storage (storage_type(),
+# isinstance(t.storage(), torch.superchip.FloatStorage), the legacy constructors) and takes the
+# device from the class's module, whose last part must be the backend's name: without them
+# storage_type() of a superchip tensor was None where CUDA's is torch.cuda.FloatStorage (found
+# by PyTorch's test_torch on superchip). Quantized dtypes have none, as on CUDA.
+
+
+class _SuperchipLegacyStorage(torch.storage._LegacyStorage):
+    @classmethod
+    def from_buffer(cls, *args, **kwargs):
+        raise RuntimeError(
+            "from_buffer: not available for superchip storage; build a CPU storage from the "
+            "buffer and move it with .to('superchip')"
+        )
+
+    @classmethod
+    def _new_with_weak_ptr(cls, *args, **kwargs):
+        raise RuntimeError("_new_with_weak_ptr: not available for superchip storage")
+
+    @classmethod
+    def _new_shared_filename(cls, *args, **kwargs):
+        raise RuntimeError("_new_shared_filename: not available for superchip storage")
+
+
+def _legacy_storage_class(name: str, dtype: torch.dtype) -> type:
+    from torch._utils import classproperty
+
+    def _dtype(cls):
+        return dtype
+
+    def _public_dtype(cls):
+        torch.storage._warn_typed_storage_removal()
+        return dtype
+
+    return type(
+        name,
+        (_SuperchipLegacyStorage,),
+        {"_dtype": classproperty(_dtype), "dtype": classproperty(_public_dtype), "__module__": "torch.superchip"},
+    )
+
+
+_QUANTIZED = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}
+for _dt, _name in torch.storage._dtype_to_storage_type_map().items():
+    if _dt not in _QUANTIZED:
+        globals()[_name] = _legacy_storage_class(_name, _dt)
+del _dt, _name

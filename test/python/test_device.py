@@ -342,3 +342,29 @@ def test_a_slice_of_a_pinned_storage_is_pinned():
         assert torch.tensor((), dtype=torch.uint8).set_(s).is_pinned(), off
     assert not torch.randn(64).is_pinned()
     assert not torch.randn(64).untyped_storage()[4:].is_pinned()
+
+
+def test_legacy_typed_storage_classes_as_cuda_has_them():
+    # storage_type() of a superchip tensor was None where CUDA's is torch.cuda.FloatStorage
+    # (found by PyTorch's test_torch on superchip).
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        t = torch.arange(6.0, device=DEVICE)
+        assert t.storage_type() is torch.superchip.FloatStorage
+        assert torch.ones(2, dtype=torch.bfloat16, device=DEVICE).storage_type() is torch.superchip.BFloat16Storage
+        assert isinstance(t.storage(), torch.superchip.FloatStorage)
+        assert not isinstance(t.storage(), torch.FloatStorage)
+        assert not isinstance(t.cpu().storage(), torch.superchip.FloatStorage)
+        assert t.storage().type() == "torch.superchip.FloatStorage"
+        s = torch.superchip.LongStorage([1, 2, 3])
+        assert s.device.type == "superchip" and s.dtype == torch.int64 and s.tolist() == [1, 2, 3]
+        assert torch.superchip.DoubleStorage(4).size() == 4
+        w = torch.superchip.FloatStorage(wrap_storage=t.untyped_storage())
+        assert w.device.type == "superchip" and w.size() == 6
+        with pytest.raises(RuntimeError, match="must be superchip, but got cpu"):
+            torch.superchip.FloatStorage(wrap_storage=t.cpu().untyped_storage())
+        with pytest.raises(RuntimeError, match="from_buffer: not available for superchip"):
+            torch.superchip.FloatStorage.from_buffer(b"1234")
+    assert not hasattr(torch.superchip, "QInt8Storage")  # none for quantized dtypes, as on CUDA
