@@ -19,6 +19,7 @@ bytes, the configuration drawn, and superchip's streaming counters.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -178,6 +179,90 @@ def main(seed: int, dev: str, optimizer: str, hbm: str, overlap: bool) -> dict:
         stats = {k: st[k] for k in ("plans", "hits", "staged_at_use", "in_place_reads")}
     return dict(losses=hashlib.sha256("".join(bits).encode()).hexdigest(), state=h.hexdigest(),
                 config=config, stream=stats)
+
+
+def engine_pair(seed: int) -> tuple[bool, dict]:
+    """One model stepped by superchip.optim with the offload engine and its copy with
+    overlap=False, side by side in this process (no hbm budget), through a loop drawn from
+    `seed`: optimizer, dtype (fp16 as autocast with fp32 parameters and a GradScaler, its
+    overflow steps included), two param groups, an LR scheduler, bucket size, gradient
+    accumulation, clipping, gradients changed between backward and step, parameters read
+    there, a backward whose step never comes, an optimizer state dict reloaded. True when every
+    logged value and every parameter agree bit for bit."""
+    rnd = random.Random(seed)
+    torch.manual_seed(seed)
+    w, depth = rnd.choice([32, 64, 128]), rnd.randint(2, 6)
+    dtype = rnd.choice([torch.float32, torch.bfloat16, torch.float16])
+    name = rnd.choice(["AdamW", "Adam", "SGD"])
+    bucket_bytes, groups, sched = rnd.choice([None, 4096, 16384]), rnd.random() < 0.5, rnd.random() < 0.5
+    scaled = dtype == torch.float16 and rnd.random() < 0.8
+    clip, accumulate, set_none = rnd.choice([0, 0, 1.0, 1e-3]), rnd.choice([1, 1, 2, 3]), rnd.random() < 0.5
+    peek, orphan, halve = rnd.random() < 0.4, rnd.random() < 0.3, rnd.random() < 0.3
+    reload_at, init_scale = rnd.choice([None, 5, 9]), 2.0 ** rnd.choice([4, 16, 30])
+    pdtype = torch.float32 if dtype == torch.float16 else dtype
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(depth)], nn.LayerNorm(w),
+                         nn.Linear(w, 8))
+    models = [copy.deepcopy(base).to("superchip").to(pdtype) for _ in range(2)]
+
+    def optimizer(m, overlap):
+        params = m.parameters()
+        if groups:
+            decay = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
+            rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+            params = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        kw = dict(lr=1e-2, overlap=overlap, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+        if name == "SGD":
+            kw["momentum"] = 0.9
+        return getattr(superchip.optim, name)(params, **kw)
+
+    opts = [optimizer(models[0], True), optimizer(models[1], False)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 3, 0.5) for o in opts] if sched else None
+    scalers = [torch.amp.GradScaler("superchip", init_scale=init_scale) for _ in opts] if scaled else None
+    g = torch.Generator().manual_seed(seed)
+    logs = [[], []]
+    for i in range(14):
+        xs = torch.randn(4 * accumulate, w, generator=g)
+        for k in range(2):
+            m, o, log = models[k], opts[k], logs[k]
+            for a in range(accumulate):
+                with torch.autocast("superchip", dtype=torch.float16, enabled=dtype == torch.float16):
+                    loss = m(xs[4 * a:4 * a + 4].to("superchip").to(pdtype)).float().square().mean() / accumulate
+                (scalers[k].scale(loss) if scaled else loss).backward()
+                log.append(loss.item())
+            if peek:
+                log.append(sum(p.float().sum().item() for p in m.parameters()))
+            if orphan and i % 5 == 2:  # gradients inspected, then zeroed: no step
+                log.append(sum(p.grad.float().abs().sum().item() for p in m.parameters() if p.grad is not None))
+                o.zero_grad(set_to_none=set_none)
+                continue
+            if halve and i % 4 == 1:
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(0.5)
+            if scaled:
+                scalers[k].unscale_(o)
+            if clip:
+                log.append(torch.nn.utils.clip_grad_norm_(m.parameters(), clip).item())
+            if scaled:
+                scalers[k].step(o)
+                scalers[k].update()
+            else:
+                o.step()
+            if sched:
+                scheds[k].step()
+            o.zero_grad(set_to_none=set_none)
+        if reload_at == i:
+            for o in opts:
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
+    torch.superchip.synchronize()
+    same = len(logs[0]) == len(logs[1]) and all(a == b or (a != a and b != b) for a, b in zip(*logs))
+    same = same and all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    st = opts[0].offload_stats()
+    return same, dict(dtype=str(dtype), optimizer=name, groups=groups, sched=sched, scaled=scaled, clip=clip,
+                      accumulate=accumulate, bucket_bytes=bucket_bytes, buckets=st["buckets"],
+                      speculated=st["speculated_buckets"], rolled_back=st["rolled_back_buckets"],
+                      skipped=st["skipped_steps"])
 
 
 if __name__ == "__main__":
