@@ -118,6 +118,9 @@ def _refuse_capsule() -> None:
 @_functools.wraps(_dlpack)
 def _superchip_dlpack(self, *args, **kwargs):
     if _superchip_tensor(self):
+        stream = kwargs.get("stream")
+        if stream is not None and type(stream) is not int:  # torch's own check comes first
+            raise TypeError("stream must be ``int`` or ``none``")
         dl_device = kwargs.get("dl_device")
         if dl_device is None or int(dl_device[0]) != int(_dlpack_utils.DLDeviceType.kDLCPU):
             _refuse_capsule()

@@ -453,6 +453,8 @@ def test_dlpack_gives_an_alias_as_for_cuda():
     for capsule in (lambda: x.__dlpack__(), lambda: torch.utils.dlpack.to_dlpack(x)):
         with pytest.raises(BufferError, match="torch.from_dlpack"):
             capsule()
+    with pytest.raises(TypeError, match="stream must be"):  # a bad argument first, as torch checks it
+        x.__dlpack__(stream=object())
     del z
     lin = torch.nn.Linear(64, 64).to("superchip")
     opt = superchip.optim.SGD(lin.parameters(), lr=0.5)
