@@ -9,6 +9,7 @@
 #include "backend/native/Dropout.h"
 #include "backend/native/Forward.h"
 #include "backend/native/GroupNorm.h"
+#include "backend/native/NormStats.h"
 #include "backend/native/Histc.h"
 #include "backend/native/Native.h"
 #include "backend/native/Rnn.h"
@@ -95,6 +96,11 @@ int register_executor_kernels() {
     // below, which would register the plain forwarding kernel for native_group_norm.
     lib->impl("native_group_norm", TORCH_FN(native::native_group_norm));
     lib->impl("native_group_norm_backward", TORCH_FN(native::native_group_norm_backward));
+    // Note [Norm statistics]: CUDA's rules for the saved statistics, as the fake kernels say.
+    for (const char* name : native::norm_stats_ops()) {
+      lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&native::norm_stats_kernel>());
+      ++count;
+    }
     // Note [Integer histc]: CUDA's histc counts integers, CPU's does not.
     lib->impl("histc", TORCH_FN(native::histc));
     lib->impl("histc.out", TORCH_FN(native::histc_out));

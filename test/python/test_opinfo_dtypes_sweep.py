@@ -46,7 +46,7 @@ from cpu_overrides import sweep_mark
 from helpers import DEVICE
 from sweep_runner import run_shards, worker
 from test_opinfo_sweep import (CPU_ONLY_ARGS, SHAPE_ONLY, SKIPS, _compare, _move,
-                               _move_tensor, _op_id)
+                               _move_tensor, _op_id, as_cuda_rules)
 
 MAX_SAMPLES = 8
 SHARDS = 2
@@ -214,7 +214,7 @@ def _check_samples(op, name, dtype, grad: bool):
                 grad_fail = grad_fail or f"{where}: forward raised: {_first_line(exc)}"
             continue
         try:
-            _compare(actual, expected, shape_only)
+            _compare(actual, as_cuda_rules(name, expected, sample), shape_only)
             fwd_ran += 1
         except Exception as exc:  # noqa: BLE001
             fwd_fail = fwd_fail or f"{where}: {_first_line(exc)}"
