@@ -18,7 +18,7 @@ struct Spec {
   bool layer_norm;
   int input;
   int weight;
-  int running_mean;
+  int running_mean;  // layer norm: the bias (what CPU's rule looks at after the weight)
   int running_var;
   int training;    // argument index of the flag; -1: `trains`
   bool trains;
@@ -37,10 +37,10 @@ const std::unordered_map<std::string, Spec>& specs() {
       {"_batch_norm_with_update", {false, false, 0, 1, 3, 4, -1, true, 6, 1, 2}},
       {"_batch_norm_with_update_functional", {false, false, 0, 1, 3, 4, -1, true, 6, 1, 2}},
       {"_batch_norm_no_update", {false, false, 0, 1, 3, 4, -1, false, 6, 1, 2}},
-      {"native_layer_norm", {false, true, 0, 2, -1, -1, -1, true, -1, 1, 2}},
+      {"native_layer_norm", {false, true, 0, 2, 3, -1, -1, true, -1, 1, 2}},
       {"native_batch_norm_backward", {true, false, 1, 2, 3, 4, 7, false, -1, 5, 6}},
       {"batch_norm_backward", {true, false, 1, 2, 3, 4, 7, false, -1, 5, 6}},
-      {"native_layer_norm_backward", {true, true, 1, 5, -1, -1, -1, true, -1, 3, 4}},
+      {"native_layer_norm_backward", {true, true, 1, 5, 6, -1, -1, true, -1, 3, 4}},
   };
   return *m;
 }
@@ -57,9 +57,10 @@ at::Tensor tensor_at(const torch::jit::Stack& stack, size_t base, int index) {
 c10::ScalarType cuda_stat_type(c10::ScalarType input) { return reduced(input) ? c10::kFloat : input; }
 
 // CPU's rule: float when a bf16/fp16 input comes with float parameters (the first defined of
-// weight and running_mean for batch norm, the weight for layer norm), the input's type otherwise.
-c10::ScalarType cpu_stat_type(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& running_mean) {
-  const at::Tensor& param = weight.defined() ? weight : running_mean;
+// weight and running_mean for batch norm, of weight and bias for layer norm), the input's type
+// otherwise.
+c10::ScalarType cpu_stat_type(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& second) {
+  const at::Tensor& param = weight.defined() ? weight : second;
   if (reduced(input.scalar_type()) && param.defined() && param.scalar_type() == c10::kFloat) return c10::kFloat;
   return input.scalar_type();
 }
