@@ -71,17 +71,18 @@ phase_cpp() {
 pytest_args=(-q -p no:cacheprovider -rfE)
 $PY -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout=600)
 
-phase_pytest_core() {
-  run pytest-core $PY -m pytest "${pytest_args[@]}" test/python/test_offload_engine.py \
-    test/python/test_optim.py test/python/test_weights_placement.py test/python/test_training_parity.py
-}
-
-# The whole suite but the sweeps, then the sweeps: in parallel workers (pytest-xdist, there on
+# The core files, the whole suite but the sweeps, then the sweeps: in parallel workers (pytest-xdist, there on
 # the GPU machine) with each result printed as it comes (-v), so a run cut by the device
 # call's limit still names what passed and failed. Measured on the H100 (16 cores), 14
 # workers: the suite minus sweeps does not finish in 140 s; give it 300.
 xdist_args=()
 $PY -c "import xdist" 2>/dev/null && xdist_args=(-n "${SUPERCHIP_GPU_WORKERS:-12}" -v)
+
+phase_pytest_core() {
+  run pytest-core $PY -m pytest "${pytest_args[@]}" "${xdist_args[@]}" test/python/test_offload_engine.py \
+    test/python/test_optim.py test/python/test_weights_placement.py test/python/test_training_parity.py
+}
+
 sweeps=(test/python/test_opinfo_sweep.py test/python/test_opinfo_dtypes_sweep.py test/python/test_moduleinfo_sweep.py)
 phase_pytest() {
   run pytest $PY -m pytest "${pytest_args[@]}" "${xdist_args[@]}" test/python "${sweeps[@]/#/--ignore=}"
