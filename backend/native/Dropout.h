@@ -6,9 +6,11 @@
 // lora_dropout, attention and residual dropout) gave other bits than the CPU: its gradient
 // differed on about one element in ten. With the CPU executor this kernel, registered to
 // AutogradPrivateUse1, runs the CPU's composite (autograd records its ops as on the CPU); with
-// the CUDA executor nothing is registered and CUDA's fused kernel runs, as on CUDA. A compiled
-// graph traces this kernel too, where torch.compile of a CPU model decomposes dropout to
-// native_dropout: compiled superchip then gives eager's bits, not compiled CPU's (bf16/fp16).
+// the CUDA executor nothing is registered and CUDA's fused kernel runs, as on CUDA. A traced
+// graph (torch.compile, make_fx) would take this kernel before torch's Python decomposition,
+// which a CPU model's graph takes (native_dropout, `rand > p`: the complement of this kernel's
+// mask in compiled code); superchip/_inductor/patches.py (point 12) gives superchip the
+// decomposition while tracing, so compiled superchip gives compiled CPU's bits.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -393,6 +393,10 @@ class StreamContext:
 
 
 def stream(stream) -> StreamContext:
+    if stream is not None and torch.compiler.is_compiling():
+        # Dynamo traces a torch.Stream used as a context (the same switch, restored on exit)
+        # into the graph's stream annotations; it cannot trace StreamContext's comparisons.
+        return stream
     return StreamContext(stream)
 
 

@@ -114,8 +114,8 @@ def test_registers_when_inductor_was_set_up_first():
 
 
 def test_graph_on_second_device_stays_there():
-    """Buffers of a graph on superchip:1 are allocated on superchip:1 (Inductor emits no device
-    guard for a non-GPU type, so the wrapper names the device)."""
+    """Buffers of a graph on superchip:1 are allocated on superchip:1 (the graph runs under a
+    device guard, and the wrapper names the device too)."""
     r = run_python(
         "import torch, superchip, torch.nn.functional as F\n"
         "x, w = torch.randn(8, 16), torch.randn(16, 16)\n"
@@ -127,6 +127,86 @@ def test_graph_on_second_device_stays_there():
         "torch.testing.assert_close(out.cpu(), F.gelu(x @ w).sum(-1) / 3)\n"
         "print('ok')\n", env={"SUPERCHIP_DEVICE_COUNT": "2", "SUPERCHIP_EXECUTOR": "cpu"}, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_streams_in_a_compiled_region():
+    """Dynamo's device interface is there before the first trace, and a compiled region that
+    switches streams (``with torch.superchip.stream(s)``, ``with s``) runs (Note [Why superchip
+    patches Inductor], points 8 and 11). Before: "No interface for device superchip" until a
+    first compile, "Unresolved GetAttrVariable comparison" tracing torch.superchip.stream, and
+    "NameError: name 'stream1' is not defined" in the generated wrapper for ``with s``."""
+    r = run_python(
+        "import sys, torch, superchip\n"
+        "from torch._dynamo.device_interface import get_interface_for_device\n"
+        "from superchip._inductor.device_interface import SuperchipInterface\n"
+        "assert get_interface_for_device('superchip') is SuperchipInterface\n"
+        "from torch._inductor.utils import run_and_get_code\n"
+        "s = torch.superchip.Stream()\n"
+        "def by_module(x, w):\n"
+        "    with torch.superchip.stream(s):\n"
+        "        y = torch.relu(x @ w) * 2\n"
+        "    return y + 1\n"
+        "def by_stream(x, w):\n"
+        "    with s:\n"
+        "        y = torch.relu(x @ w) * 2\n"
+        "    return y + 1\n"
+        "gen = torch.Generator().manual_seed(0)\n"
+        "x, w = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)\n"
+        "for f in (by_module, by_stream):\n"
+        "    torch._dynamo.reset()\n"
+        "    before = torch.superchip.current_stream()\n"
+        "    out, code = run_and_get_code(torch.compile(f, fullgraph=True), x.to('superchip'), w.to('superchip'))\n"
+        "    assert 'with stream1:' in code[0] and 'stream1 = ' in code[0], code[0]\n"
+        "    assert torch.superchip.current_stream() == before\n"
+        "    torch.testing.assert_close(out.cpu(), f(x, w), rtol=1e-6, atol=1e-6)\n"
+        "print('ok')\n", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")
+
+
+def test_combo_kernels_and_benchmark_fusion_options():
+    """Inductor's ``combo_kernels`` and ``benchmark_fusion`` options treat superchip's C++
+    kernels as CPU ones (Note [Why superchip patches Inductor], point 9). Before: an
+    AssertionError in the scheduler, and "No module named 'triton'"."""
+    from torch._inductor import config
+
+    def f(x):
+        return x.mean(), x.mean(-1), torch.relu(x).sum(0) + 1
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    for option in ("combo_kernels", "benchmark_fusion"):
+        torch._dynamo.reset()
+        with config.patch({option: True}):
+            out = torch.compile(f, fullgraph=True)(x.to("superchip"))
+        for o, e in zip(out, f(x)):
+            torch.testing.assert_close(o.cpu(), e, rtol=RTOL, atol=1e-6)
+
+
+def test_compiled_nonzero_static_has_eager_strides():
+    # The fake-tensor rule predicted CUDA's column-major result; the compiled graph's stride
+    # check failed (Note [Why superchip patches Inductor], point 10).
+    torch._dynamo.reset()
+    x = torch.eye(8).to("superchip")
+    out = torch.compile(lambda t: torch.nonzero_static(t, size=8) * 1, fullgraph=True)(x)
+    eager = torch.nonzero_static(x, size=8)
+    assert torch.equal(out.cpu(), eager.cpu()) and out.stride() == eager.stride()
+
+
+def test_rng_state_ops_trace_with_make_fx():
+    # run_and_save_rng_state's tracing rule called torch's own device choice: "Backend not
+    # supported for superchip" (point 5).
+    from torch._prims import rng_prims
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn():
+        state, a = rng_prims.run_and_save_rng_state(torch.ops.aten.rand.default, [4, 4], device="superchip")
+        b = rng_prims.run_with_rng_state(state, torch.ops.aten.rand.default, [4, 4], device="superchip")
+        return a, b
+
+    graph = make_fx(fn)()
+    assert any(n.target is rng_prims.run_and_save_rng_state for n in graph.graph.nodes)
+    a, b = graph()
+    assert a.device.type == "superchip" and torch.equal(a.cpu(), b.cpu())
 
 
 def test_device_interface():

@@ -511,6 +511,28 @@ def test_norm_statistics_have_the_shapes_and_dtypes_fake_tensors_predict():
             assert torch.equal(e.cpu(), c), name  # the normalised output is CPU's bits
 
 
+def test_fake_tensors_predict_the_layouts_eager_gives():
+    # Fake-tensor rules that choose a layout by device_hint() took the non-CPU side for
+    # superchip, where the CPU executor's kernels give CPU's layouts (Note [Why superchip patches
+    # Inductor], point 10; found by running Inductor's own tests on superchip).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(0)
+    w, idx, off = torch.randn(10, 3, generator=gen), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    cases = {
+        "nonzero_static": (lambda x: (torch.nonzero_static(x, size=8),), [torch.eye(8)]),
+        "pixel_shuffle channels_last": (lambda x: (F.pixel_shuffle(x, 2),),
+                                        [torch.randn(1, 8, 4, 4, generator=gen).to(memory_format=torch.channels_last)]),
+        "_embedding_bag": (lambda w, i, o: torch.ops.aten._embedding_bag(w, i, o, False, 1), [w, idx, off]),
+    }
+    for name, (f, args) in cases.items():
+        args = [a.to(DEVICE) for a in args]
+        eager = f(*args)
+        with FakeTensorMode() as mode:
+            fake = f(*[mode.from_tensor(a) for a in args])
+        assert [(t.shape, t.stride(), t.dtype) for t in eager] == [(t.shape, t.stride(), t.dtype) for t in fake], name
+
+
 @pytest.mark.parametrize("module", ["batch_norm", "instance_norm", "layer_norm"])
 @pytest.mark.parametrize("dtype,params", [(torch.bfloat16, "same"), (torch.float16, "float"), (torch.float32, "same")])
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -22,8 +22,9 @@ Contract
 
 Where Inductor decides code-generation semantics by ``device.type == "cpu"`` rather than by the
 device's registered backend, superchip is treated as its executor: see ``patches.py``
-(torch-version guarded) for the places patched (three with either executor, one more with the
-CUDA executor) and why.
+(torch-version guarded; Note [Why superchip patches Inductor]) for the places patched and why.
+The fake-tensor and tracing rules among them are patched at ``import superchip``, the rest when
+Inductor registers the device; Dynamo's device interface is registered when Dynamo loads.
 """
 
 from __future__ import annotations
@@ -73,8 +74,66 @@ def register() -> None:
 
 def register_if_inductor_loaded() -> None:
     """Registers now when Dynamo or Inductor is already imported: Inductor may have set up its
-    backends already (it asks the device module only once)."""
+    backends already (it asks the device module only once). Otherwise the device interface is
+    registered when Dynamo loads (Note [Why superchip patches Inductor], point 11), and the rest
+    on first use. Fake-tensor rules are patched now (points 6 and 10)."""
     import sys
 
+    from . import patches
+
+    patches.apply_fake_rules()
     if "torch._inductor.codegen.common" in sys.modules or "torch._dynamo" in sys.modules:
         register()
+    else:
+        register_interface_when_dynamo_loads()
+
+
+_INTERFACE_MODULE = "torch._dynamo.device_interface"
+
+
+def _register_interface() -> None:
+    from torch._dynamo.device_interface import register_interface_for_device
+
+    from .device_interface import SuperchipInterface
+
+    register_interface_for_device("superchip", SuperchipInterface)
+
+
+class _AfterDynamoInterfaces:
+    """A one-shot import hook: runs ``torch._dynamo.device_interface`` as usual, then registers
+    superchip's interface in it, before Dynamo reads its registry (Dynamo builds its handlers
+    of ``torch.<device>.stream`` once, at its first trace)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _INTERFACE_MODULE:
+            return None
+        import importlib.machinery
+        import sys
+
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec  # not a plain module: registered with Inductor's backend instead
+        execute = loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            try:
+                _register_interface()
+            except Exception as e:  # never break Dynamo's import; compile registers again
+                import warnings
+
+                warnings.warn(f"superchip: Dynamo's device interface could not be registered: {e}",
+                              stacklevel=2)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def register_interface_when_dynamo_loads() -> None:
+    import sys
+
+    if not any(isinstance(f, _AfterDynamoInterfaces) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDynamoInterfaces())

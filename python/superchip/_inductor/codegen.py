@@ -8,7 +8,8 @@ on CPU buffers (a plain function call with the tensors, whose ``data_ptr()`` the
 reads), and it allocates buffers with ``empty_strided(..., device="superchip:i")``, i.e.
 through superchip's allocator (Inductor's generic path for a device without a fast
 allocator), naming the buffer's device.
-Device guards and synchronisation in the wrapper are ``torch.superchip``'s.
+Device guards, streams and synchronisation in the wrapper are ``torch.superchip``'s (every
+superchip graph runs under a device guard: Note [Why superchip patches Inductor], point 8).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class _SuperchipDeviceOps:
     def device_guard(self, device_idx: int) -> str:
         return f"torch.superchip.device({device_idx})"
 
+    def current_stream(self) -> str:  # a graph's default stream, beside the user's streams
+        return "torch.superchip.current_stream()"
+
 
 class CpuExecutorDeviceOpOverrides(_SuperchipDeviceOps, DeviceOpOverrides):
     """C++ kernels run on the calling thread: there is no stream to pass."""
@@ -86,9 +90,9 @@ class _SuperchipWrapper:
       otherwise; the call itself (the kernel's Python binding with the tensors as arguments) is
       the same, since the binding reads ``data_ptr()``, which is host memory on the CPU executor.
     - Allocations name the device index. Inductor's generic allocation writes
-      ``device='superchip'`` (the current device) and relies on a device guard around the
-      kernels of another device, which the scheduler emits for GPU types only; a graph on
-      superchip:1 would otherwise allocate its buffers on superchip:0.
+      ``device='superchip'`` (the current device) and relies on the device guard around the
+      kernels of another device (which the scheduler emits for superchip only with the patch,
+      point 8); naming the index keeps them where they belong without it too.
     """
 
     def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,

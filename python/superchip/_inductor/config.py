@@ -1,9 +1,12 @@
 """Superchip's Inductor code-generation config, registered with the backend.
 
 Inductor keys its FX graph cache on each device's registered config, not on the code of the
-device's code generator; ``codegen_version`` (a hash of the ``superchip/_inductor`` sources)
-makes the key change with superchip's generator, so a graph compiled and cached by another
-version of it is never reused.
+device's code generator; ``codegen_version`` (a hash of the ``superchip/_inductor`` sources and
+of superchip's compiled extension) makes the key change with superchip's generator and with its
+kernels, so a graph compiled and cached by another version of it is never reused. The extension
+counts because AOTAutograd traces superchip's own kernels (dropout with the CPU executor: Note
+[Dropout on the CPU executor]): with the Python sources alone in the key, a graph traced before
+a change of those kernels was reused after it (a stale cache hid a test failure for a day).
 """
 
 # No ``from __future__ import annotations`` here: install_config_module takes every module
@@ -17,9 +20,10 @@ from torch.utils._config_module import install_config_module
 
 def _sources_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+    here = pathlib.Path(__file__).parent
+    for path in sorted(here.glob("*.py")) + sorted(here.parent.glob("_C*.so")):
         digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+        digest.update(path.read_bytes())  # the extension: about 5 MB, 10 ms, once per process
     return digest.hexdigest()[:16]
 
 

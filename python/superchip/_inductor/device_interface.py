@@ -76,9 +76,9 @@ class SuperchipInterface(DeviceInterface):
     def is_available() -> bool:
         return torch.superchip.is_available()
 
-    @staticmethod
-    def stream(stream: torch.Stream) -> Any:
-        return stream  # torch.Stream is its own context manager
+    # torch.superchip.stream itself, as CudaInterface's is torch.cuda.stream: Dynamo traces the
+    # functions its registered interfaces name here as stream contexts.
+    stream = staticmethod(superchip.device.stream)
 
     @staticmethod
     def current_stream() -> torch.Stream:

@@ -33,7 +33,8 @@ still compare the device type with a fixed list instead of asking the registrati
    (seen by a user-flow probe: compiled HF Llama with gradient checkpointing). Superchip's
    default generator is its executor's (backend/runtime/SuperchipGenerator.h), so for
    superchip tensors these ops save and restore ``torch.superchip``'s RNG state, in the
-   backend choice, the fake-tensor rule and a PrivateUse1 kernel; other devices keep theirs.
+   backend choice, the fake-tensor rule, the tracing rule (``make_fx``) and a PrivateUse1
+   kernel; other devices keep theirs.
    Where a torch lacks these names, nothing is patched (that error stays).
 6. The fake-tensor rule of convolution (torch/_subclasses/fake_impls.py) predicts the layout of
    its output from ``torch._C._select_conv_backend`` on the fake inputs: for a superchip
@@ -52,6 +53,44 @@ still compare the device type with a fixed list instead of asking the registrati
    (``UnboundLocalError: arg0_1``, found by review). For superchip graphs the scheduler now
    flushes before such a call too. CUDA's and CPU's graphs are untouched (Triton kernels are
    written at once, and the CPU has no events).
+
+8. ``torch._inductor.utils.device_need_guard(device_type)`` (imported by name into the
+   scheduler) is true for GPU types only, and the wrapper declares a graph's streams
+   (``default_stream``, ``stream1`` = the user's stream) inside the device guard. A compiled
+   region with ``with stream:`` on superchip had its kernels written under ``with stream1:``
+   without the declaration (``NameError: name 'stream1' is not defined``, found by running
+   Inductor's own tests on superchip). Superchip graphs get a device guard
+   (``torch.superchip.device(i)``), which also runs a graph on ``superchip:1`` with that device
+   current.
+9. ``Scheduler``'s combo-kernel grouping (``config.combo_kernels``) leaves out nodes on
+   ``"cpu"`` (the C++ backend has no combo kernels) and grouped superchip ones with the CPU
+   executor: compilation failed (``AssertionError: type(self)=<class 'Scheduler'>``). Groups of
+   superchip nodes are dropped as CPU ones are; with the CUDA executor they stay (Triton has
+   combo kernels). Likewise ``config.benchmark_fusion``: ``Scheduler.speedup_by_fusion``
+   fuses CPU nodes without benchmarking (the C++ backend has no kernel benchmark) and tried to
+   benchmark superchip ones as Triton kernels (``No module named 'triton'``); superchip nodes
+   with the CPU executor are fused as CPU ones are.
+10. Fake-tensor rules (``torch._meta_registrations``) pick the layout of some results by
+   ``device_hint(tensor)``: the device type, ``"cpu"`` for CPU's kernels. For superchip it
+   answered ``"superchip"`` and the rule took the non-CPU side where the executor's kernel is
+   the CPU's: ``nonzero_static`` predicted column-major strides, ``pixel_shuffle`` of a
+   channels_last input a contiguous result, ``_embedding_bag`` an empty ``bag_size``, and
+   compiled ``nonzero_static`` failed its stride check. It answers the executor's type. This
+   and points 5, 6 and 12 are rules torch uses outside compile too (``torch.export``, ``make_fx``,
+   DTensor's propagation): ``apply_fake_rules()`` applies them at ``import superchip``.
+11. Dynamo's device interfaces are read once (``get_registered_device_interfaces()``, for its
+   handlers of ``torch.<device>.stream``), at the first trace: the interface registered with
+   Inductor's backend, after that trace, came too late, and ``get_interface_for_device
+   ("superchip")`` failed before the first compile. ``superchip/_inductor/__init__.py``
+   registers the interface when ``torch._dynamo.device_interface`` is imported
+   (``register_interface_when_dynamo_loads``).
+12. (CPU executor) superchip registers a C++ ``dropout`` for AutogradPrivateUse1 that runs the
+   CPU's composite in eager mode (Note [Dropout on the CPU executor], backend/native/Dropout.h).
+   Tracing (AOTAutograd, ``make_fx``) resolves a key's C++ kernel before torch's Python
+   decomposition of ``dropout``, so compiled superchip graphs drew ``rand < 1 - p`` where
+   compiled CPU graphs decompose to ``native_dropout`` and draw ``rand > p``: the complement
+   mask, so compiled dropout and checkpointed random ops no longer gave compiled CPU's bits.
+   While tracing, superchip takes torch's decomposition, as the CPU does.
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -111,12 +150,116 @@ def apply() -> None:
     _patch_get_current_backend()
     _patch_is_cpu()
     _patch_ir_is_cpu()
-    _patch_rng_state_ops()
-    _patch_conv_layout()
+    apply_fake_rules()
+    if _fake_rules_error is not None:
+        raise _fake_rules_error
     _patch_flush_before_deviceless_extern()
+    _patch_device_guard()
+    _patch_combo_kernel_groups()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
+
+
+_fake_rules_applied = False
+_fake_rules_error: RuntimeError | None = None
+
+
+def apply_fake_rules() -> None:
+    """Points 5, 6, 10 and 12: the rules torch consults outside Inductor too (fake tensors,
+    ``make_fx`` tracing, ``torch.export``) answer for superchip as for its executor. Called at
+    ``import superchip`` (torch imports these modules with itself; no Dynamo import)."""
+    global _fake_rules_applied
+    if _fake_rules_applied:
+        return
+    _fake_rules_applied = True
+    if not (_SUPPORTED[0] <= _torch_version() <= _SUPPORTED[1]):
+        return  # import superchip never fails for these; apply() says what to check
+    global _fake_rules_error
+    try:
+        _patch_meta_device_hint()
+        _patch_conv_layout()
+        _patch_rng_state_ops()
+        _patch_dropout_tracing()
+    except RuntimeError as e:  # a name this torch lacks: import still works, compile says why
+        _fake_rules_error = e
+
+
+def _patch_meta_device_hint() -> None:
+    from torch import _meta_registrations as meta
+
+    original = getattr(meta, "device_hint", None)
+    if original is None:
+        return  # point 10: nothing patched on a torch without it
+
+    def device_hint(tensor) -> str:
+        return executor_type(original(tensor))
+
+    device_hint.__wrapped__ = original  # type: ignore[attr-defined]
+    meta.device_hint = device_hint
+
+
+def _patch_dropout_tracing() -> None:
+    if superchip.executor() != "cpu":
+        return  # point 12: nothing registered in C++ with the CUDA executor
+    from torch._C import DispatchKey
+    from torch._decomp import decompositions
+
+    decomposition = getattr(decompositions, "dropout", None)
+    op = torch.ops.aten.dropout.default
+    if decomposition is None or DispatchKey.AutogradPrivateUse1 in op.py_kernels:
+        return
+    # Used by the Python dispatcher only (tracing); eager dispatch keeps the C++ kernel.
+    op.py_impl(DispatchKey.AutogradPrivateUse1)(decomposition)
+
+
+def _patch_device_guard() -> None:
+    from torch._inductor import scheduler
+
+    original = scheduler.device_need_guard
+
+    def device_need_guard(device: str) -> bool:
+        return device == "superchip" or original(device)
+
+    device_need_guard.__wrapped__ = original  # type: ignore[attr-defined]
+    scheduler.device_need_guard = device_need_guard
+
+
+def _patch_combo_kernel_groups() -> None:
+    if superchip.executor() == "cuda":
+        return  # point 9: Triton has combo kernels
+    from torch._inductor.scheduler import ForeachKernelSchedulerNode
+
+    original = getattr(ForeachKernelSchedulerNode, "group_nodes_for_combo_kernels", None)
+    if original is None:
+        return
+
+    def on_superchip(node) -> bool:
+        device = node.get_device()
+        return device is not None and device.type == "superchip"
+
+    def group_nodes_for_combo_kernels(scheduler):
+        # A group holds one device's nodes (the default grouping splits by device).
+        return [g for g in original(scheduler) if not any(on_superchip(n) for n in g)]
+
+    group_nodes_for_combo_kernels.__wrapped__ = original  # type: ignore[attr-defined]
+    ForeachKernelSchedulerNode.group_nodes_for_combo_kernels = staticmethod(group_nodes_for_combo_kernels)
+
+    from torch._inductor import config
+    from torch._inductor.scheduler import Scheduler
+
+    speedup = Scheduler.speedup_by_fusion
+
+    def speedup_by_fusion(self, node1, node2):
+        if config.benchmark_fusion and any(on_superchip(n) for n in node1.get_nodes()[:1]):
+            # As for CPU nodes: without benchmark_fusion (no Triton template on superchip with
+            # the CPU executor), the answer is "fuse".
+            with config.patch(benchmark_fusion=False):
+                return speedup(self, node1, node2)
+        return speedup(self, node1, node2)
+
+    speedup_by_fusion.__wrapped__ = speedup  # type: ignore[attr-defined]
+    Scheduler.speedup_by_fusion = speedup_by_fusion
 
 
 def _patch_get_current_backend() -> None:
@@ -282,3 +425,14 @@ def _patch_rng_state_ops() -> None:
         getattr(hop, "_dispatch_cache", {}).clear()
     # run_and_save_rng_state's fake rule calls the original backend choice directly.
     registered_hop_fake_fns[save] = routed(registered_hop_fake_fns[save], save_state, 0)
+    # So does its tracing rule (make_fx, ProxyTorchDispatchMode), through a closure cell of
+    # torch's; the cell is pointed at the routed choice (the same function for other devices).
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+    tracing = save.python_key_table.get(ProxyTorchDispatchMode)
+    names = getattr(getattr(tracing, "__code__", None), "co_freevars", ())
+    if "impl_backend_select" in names:
+        cell = tracing.__closure__[names.index("impl_backend_select")]
+        if not getattr(cell.cell_contents, "_superchip_routed", False):
+            cell.cell_contents = routed(cell.cell_contents, save_state, 0)
+            cell.cell_contents._superchip_routed = True
