@@ -76,7 +76,7 @@ def register_if_inductor_loaded() -> None:
     """Registers now when Dynamo or Inductor is already imported: Inductor may have set up its
     backends already (it asks the device module only once). Otherwise the device interface is
     registered when Dynamo loads (Note [Why superchip patches Inductor], point 11), and the rest
-    on first use. Fake-tensor rules are patched now (points 6 and 10)."""
+    on first use. Fake-tensor and tracing rules are patched now (points 5, 6, 10 and 12)."""
     import sys
 
     from . import patches

@@ -76,8 +76,8 @@ class SuperchipInterface(DeviceInterface):
     def is_available() -> bool:
         return torch.superchip.is_available()
 
-    # torch.superchip.stream itself, as CudaInterface's is torch.cuda.stream: Dynamo traces the
-    # functions its registered interfaces name here as stream contexts.
+    # torch.superchip.stream itself, as CudaInterface's is torch.cuda.stream: a context for a
+    # stream or None (the stream itself was no context for None).
     stream = staticmethod(superchip.device.stream)
 
     @staticmethod
