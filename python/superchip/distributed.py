@@ -159,21 +159,30 @@ def _install_rng_tracker() -> None:
 
 
 def _default_to_sccl(init):
-    """Wraps BackendConfig.__init__: no backend named, or "gloo" alone, with a superchip
-    accelerator -> cpu:gloo,superchip:sccl.
+    """Wraps BackendConfig.__init__ so that, with a superchip accelerator, superchip tensors
+    always have a backend: no backend named, or "gloo" alone -> cpu:gloo,superchip:sccl; any
+    other backend string that names none for superchip ("nccl", "cpu:gloo,cuda:nccl", "mpi")
+    keeps what it names and gets superchip:sccl added.
 
     torch maps an unnamed backend to the accelerator's backend alone, which would leave CPU
     tensors (barrier, object collectives, DCP metadata) without a backend. And a CPU script's
     ``init_process_group("gloo")`` left superchip tensors without one: every collective and
     DDP raised "No backend type associated with device type superchip" (found by review);
-    Gloo takes no superchip tensor, so they get sccl, and CPU tensors Gloo as asked.
+    Gloo takes no superchip tensor, so they get sccl, and CPU tensors Gloo as asked. A GPU
+    script's ``init_process_group("nccl")`` (torch maps it to cuda:nccl only) failed the same
+    way on the first collective of a superchip tensor (found by review): superchip tensors get
+    sccl, which runs NCCL underneath with the CUDA executor, and CUDA tensors keep NCCL. A
+    string that names a backend for superchip is taken as written.
     """
 
     def __init__(self, backend):
-        if torch._C._get_accelerator().type == "superchip" and (
+        superchip_accelerator = torch._C._get_accelerator().type == "superchip"
+        if superchip_accelerator and (
                 str(backend) == dist.Backend.UNDEFINED or str(backend).lower() == "gloo"):
             backend = DEFAULT_BACKEND
         init(self, backend)
+        if superchip_accelerator and "superchip" not in self.device_backend_map:
+            self.device_backend_map["superchip"] = dist.Backend(BACKEND)
 
     __init__._superchip_wrapped = True
     return __init__

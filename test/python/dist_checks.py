@@ -348,10 +348,10 @@ def check_functional_collectives():
 
 
 def check_other_backend_strings():
-    """sccl alone, the spelled-out default, and "gloo" alone (a CPU script's: superchip tensors
-    get sccl; before, every collective on them raised "No backend type associated with
-    device type superchip"), in fresh process groups."""
-    for i, backend in enumerate(("sccl", "cpu:gloo,superchip:sccl", "gloo")):
+    """sccl alone, the spelled-out default, and "gloo" alone or spelled "cpu:gloo" (a CPU
+    script's: superchip tensors get sccl; before, every collective on them raised "No backend
+    type associated with device type superchip"), in fresh process groups."""
+    for i, backend in enumerate(("sccl", "cpu:gloo,superchip:sccl", "gloo", "cpu:gloo")):
         pg = dist.new_group(backend=backend)
         t = data(3).to(DEV)
         c = data(3)

@@ -113,6 +113,27 @@ def test_backend_registered():
     assert set(dist.Backend.backend_capability["sccl"]) == {"superchip", "cpu"}
 
 
+def test_every_backend_string_gives_superchip_tensors_a_backend():
+    # Found by review: a GPU script's init_process_group("nccl") (torch: cuda:nccl only) or a
+    # composite without superchip ("cpu:gloo,cuda:nccl") left superchip tensors without a
+    # backend: the first collective, or DDP's constructor, raised "No backend type associated
+    # with device type superchip". They get sccl (NCCL underneath with the CUDA executor) and
+    # keep what they name for other devices; a string naming superchip is taken as written.
+    # The config is what init_process_group and new_group build their groups from; "cpu:gloo"
+    # and "gloo" also run collectives in the two-rank launch (check_other_backend_strings).
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    def config(backend):
+        return {k: str(v) for k, v in BackendConfig(dist.Backend(backend)).get_device_backend_map().items()}
+
+    assert config("nccl") == {"cuda": "nccl", "superchip": "sccl"}
+    assert config("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl", "superchip": "sccl"}
+    assert config("cpu:gloo") == {"cpu": "gloo", "superchip": "sccl"}
+    assert config("gloo") == config(dist.Backend.UNDEFINED) == {"cpu": "gloo", "superchip": "sccl"}
+    assert config("sccl") == {"cpu": "sccl", "superchip": "sccl"}
+    assert config("superchip:gloo") == {"superchip": "gloo"}
+
+
 def test_device_module_for_fsdp():
     sc = torch.superchip
     assert sc.is_initialized() and sc.is_available()
