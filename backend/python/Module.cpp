@@ -1,9 +1,11 @@
 // superchip._C: the Python entry points. Thin: argument conversion and calls into runtime/.
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <map>
 #include <string>
 
 #include <pybind11/stl.h>
@@ -124,6 +126,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("_memory_stats", [](int device) { return memory_stats(static_cast<c10::DeviceIndex>(device)); });
   // The engine's finished jobs and the streamer's staged copies too (SuperchipAllocator::emptyCache).
   m.def("_empty_cache", [] { superchip_allocator().emptyCache(); });
+  // What torch reads of the accelerator's host allocator (Note [The host allocator]): the bytes
+  // of live pinned blocks and the bytes held from the system (live + cached).
+  m.def("_host_allocator_stats", [] {
+    const at::HostStats s = at::getHostAllocator(c10::DeviceType::PrivateUse1)->get_stats();
+    return std::map<std::string, int64_t>{{"active_bytes", s.active_bytes.current},
+                                          {"reserved_bytes", s.allocated_bytes.current},
+                                          {"num_host_alloc", s.num_host_alloc},
+                                          {"num_host_free", s.num_host_free}};
+  });
   m.def("_reset_peak_memory_stats", [](int device) {
     memory(resolve_device(static_cast<c10::DeviceIndex>(device))).reset_peak();
   });

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "allocator/Topology.h"
@@ -432,6 +433,78 @@ class PinnedAllocator final : public c10::Allocator {
     std::memcpy(dest, src, count);
   }
 };
+
+// Note [The host allocator]
+// torch.accelerator.empty_host_cache() asks at::getHostAllocator(PrivateUse1) for the
+// accelerator's host (pinned) allocator and calls it without a null check (torch 2.13's
+// _accelerator_emptyHostCache; later torch reads its statistics the same way): superchip
+// registered none, and once a superchip tensor existed the call crashed the process with a
+// segmentation fault (found by PyTorch's test_accelerator.py run on superchip). This is the
+// allocator behind pin_memory=True seen through that interface: with the CUDA executor
+// CUDA's own host allocator (the one SuperchipHooks::getPinnedMemoryAllocator hands out),
+// superchip streams translated to the executor's; emulated, the superchip pinned pool, whose
+// copies are synchronous, so a block has no stream use to wait for.
+class SuperchipHostAllocator final : public at::HostAllocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (at::HostAllocator* c = cuda()) return c->allocate(nbytes);
+    return pinned_allocator()->allocate(nbytes);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    if (at::HostAllocator* c = cuda()) return c->raw_deleter();
+    return &pinned_delete;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
+    if (at::HostAllocator* c = cuda()) {
+      return c->record_event(ptr, ctx,
+                             stream.device_type() == c10::DeviceType::PrivateUse1 ? to_executor_stream(stream)
+                                                                                  : stream);
+    }
+    return is_pinned_ptr(ptr);
+  }
+  void empty_cache() override {
+    if (at::HostAllocator* c = cuda()) return c->empty_cache();
+    pinned_memory().empty_cache();
+  }
+  at::HostStats get_stats() override {
+    if (at::HostAllocator* c = cuda()) return c->get_stats();
+    const TierStats t = pinned_memory().stats(Tier::kHost);
+    auto fill = [](c10::CachingAllocator::Stat& s, int64_t current, int64_t peak, int64_t in, int64_t out) {
+      s.current = current;
+      s.peak = peak;
+      s.allocated = in;
+      s.freed = out;
+    };
+    at::HostStats s;
+    fill(s.active_requests, t.active_allocations, t.peak_active_allocations, t.num_allocs, t.num_frees);
+    fill(s.active_bytes, t.allocated_bytes, t.peak_allocated_bytes, t.allocated_bytes_total, t.freed_bytes_total);
+    fill(s.allocations, t.segments, t.peak_segments, t.num_segment_allocs, t.num_segment_frees);
+    fill(s.allocated_bytes, t.reserved_bytes, t.peak_reserved_bytes, t.reserved_bytes_total,
+         t.released_bytes_total);
+    s.num_host_alloc = t.num_segment_allocs;
+    s.num_host_free = t.num_segment_frees;
+    return s;
+  }
+  void reset_accumulated_stats() override {
+    if (at::HostAllocator* c = cuda()) return c->reset_accumulated_stats();
+    pinned_memory().reset_accumulated();
+  }
+  void reset_peak_stats() override {
+    if (at::HostAllocator* c = cuda()) return c->reset_peak_stats();
+    pinned_memory().reset_peak();
+  }
+
+ private:
+  static at::HostAllocator* cuda() {
+    return executor() == Executor::kCuda ? at::getHostAllocator(c10::DeviceType::CUDA) : nullptr;
+  }
+};
+
+SuperchipHostAllocator g_host_allocator;
+REGISTER_HOST_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_host_allocator)
 
 }  // namespace
 

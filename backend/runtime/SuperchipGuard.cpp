@@ -124,15 +124,21 @@ c10::DeviceIndex SuperchipGuardImpl::deviceCount() const noexcept { return devic
 
 #if SUPERCHIP_HAS_DEVICE_CAPABILITY
 c10::DeviceCapability SuperchipGuardImpl::getDeviceCapability(Device /*d*/) const {
-  // Every scalar type but PyTorch's quantized ones (refused) and the sub-byte integer types
+  // Every scalar type but PyTorch's quantized ones (refused), the sub-byte integer types
   // (torch.int1..int7, uint1..uint7: dtype markers of tensor subclasses, whose bytes no CPU
-  // kernel copies, so a superchip tensor of them could not be moved off the device).
+  // kernel copies, so a superchip tensor of them could not be moved off the device), and the
+  // opaque bit types and packed fp4 (bits1x8, bits2x4, bits4x2, bits8, bits16,
+  // float4_e2m1fn_x2): neither executor's copy converts them to another dtype ("copy_" not
+  // implemented for 'Bits8'), which torch.accelerator's capability promises for every type it
+  // lists (found by PyTorch's test_accelerator.py run on superchip).
   c10::DeviceCapability cap;
   for (int bit : {c10::kIndex_QInt8, c10::kIndex_QUInt8, c10::kIndex_QInt32, c10::kIndex_QUInt4x2,
                   c10::kIndex_QUInt2x4, c10::kIndex_Int1, c10::kIndex_Int2, c10::kIndex_Int3,
                   c10::kIndex_Int4, c10::kIndex_Int5, c10::kIndex_Int6, c10::kIndex_Int7,
                   c10::kIndex_UInt1, c10::kIndex_UInt2, c10::kIndex_UInt3, c10::kIndex_UInt4,
-                  c10::kIndex_UInt5, c10::kIndex_UInt6, c10::kIndex_UInt7}) {
+                  c10::kIndex_UInt5, c10::kIndex_UInt6, c10::kIndex_UInt7, c10::kIndex_Bits1x8,
+                  c10::kIndex_Bits2x4, c10::kIndex_Bits4x2, c10::kIndex_Bits8, c10::kIndex_Bits16,
+                  c10::kIndex_Float4_e2m1fn_x2}) {
     cap.capability_data.capability_bits &= ~(1ULL << bit);
   }
   return cap;
