@@ -1,5 +1,6 @@
 #include "backend/runtime/Runtime.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -30,8 +31,13 @@ std::string env_or(const char* name, const char* fallback) {
 bool cuda_usable() noexcept {
 #ifdef SUPERCHIP_HAVE_CUDA
   try {
+    // torch's CUDA hooks, not the CUDA device guard: on a machine without a GPU, torch's
+    // FakeTensorMode (torch.compile, torch.export) installs a no-op CUDA guard that claims 8
+    // devices (torch._C._ensureCUDADeviceGuardSet), so a process that compiled anything before
+    // `import superchip` chose the CUDA executor and failed at import ("Found no NVIDIA
+    // driver"; found by running the suite with a CUDA build of torch on a machine without one).
     if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return false;
-    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount() > 0;
+    return at::detail::getCUDAHooks().hasCUDA();
   } catch (...) {
     return false;
   }

@@ -381,14 +381,16 @@ def test_a_slice_of_a_pinned_storage_is_pinned():
     # Note [Pinned interior pointers] (runtime/SuperchipAllocator.cpp): a storage sliced from a
     # pinned one (untyped_storage()[k:]) starts inside a pinned block; it was reported not
     # pinned (the allocator knows blocks by their start), where CUDA reports it pinned.
+    # The storages are asked about superchip's pinning by name: torch 2.11's
+    # UntypedStorage.is_pinned() asks CUDA's by default (2.13's: the accelerator's).
     a = torch.randn(64).pin_memory()
-    assert a.is_pinned() and a.untyped_storage().is_pinned()
+    assert a.is_pinned() and a.untyped_storage().is_pinned("superchip")
     for off in (4, 100, 252):
         s = a.untyped_storage()[off:]
-        assert s.is_pinned(), off
+        assert s.is_pinned("superchip"), off
         assert torch.tensor((), dtype=torch.uint8).set_(s).is_pinned(), off
     assert not torch.randn(64).is_pinned()
-    assert not torch.randn(64).untyped_storage()[4:].is_pinned()
+    assert not torch.randn(64).untyped_storage()[4:].is_pinned("superchip")
 
 
 def test_legacy_typed_storage_classes_as_cuda_has_them():

@@ -390,7 +390,7 @@ def _patch_rng_state_ops() -> None:
 
         save, replay = rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state
         kernels = (save.py_kernels, replay.py_kernels)
-        if any(DispatchKey.BackendSelect not in k for k in kernels) or save not in registered_hop_fake_fns:
+        if any(DispatchKey.BackendSelect not in k for k in kernels):
             return
     except (ImportError, AttributeError):
         return  # point 5 above: nothing patched
@@ -423,16 +423,24 @@ def _patch_rng_state_ops() -> None:
         if DispatchKey.PrivateUse1 not in hop.py_kernels:
             hop.py_impl(DispatchKey.PrivateUse1)(ours)
         getattr(hop, "_dispatch_cache", {}).clear()
-    # run_and_save_rng_state's fake rule calls the original backend choice directly.
-    registered_hop_fake_fns[save] = routed(registered_hop_fake_fns[save], save_state, 0)
-    # So does its tracing rule (make_fx, ProxyTorchDispatchMode), through a closure cell of
-    # torch's; the cell is pointed at the routed choice (the same function for other devices).
+    # run_and_save_rng_state's fake rule calls the original backend choice directly (torch
+    # 2.13: a registered fake function).
+    if save in registered_hop_fake_fns:
+        registered_hop_fake_fns[save] = routed(registered_hop_fake_fns[save], save_state, 0)
+    # So does its tracing rule (make_fx, ProxyTorchDispatchMode), and in torch 2.11 its fake
+    # rule too (a FakeTensorMode entry of its python_key_table), through a closure cell of
+    # torch's that both share; the cell is pointed at the routed choice (the same function for
+    # other devices). Without this, torch 2.11 traced no random op of a superchip region under
+    # activation checkpointing ("Backend not supported for superchip"; found by running the
+    # suite on torch 2.11, the GPU image's).
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-    tracing = save.python_key_table.get(ProxyTorchDispatchMode)
-    names = getattr(getattr(tracing, "__code__", None), "co_freevars", ())
-    if "impl_backend_select" in names:
-        cell = tracing.__closure__[names.index("impl_backend_select")]
-        if not getattr(cell.cell_contents, "_superchip_routed", False):
-            cell.cell_contents = routed(cell.cell_contents, save_state, 0)
-            cell.cell_contents._superchip_routed = True
+    for mode in (ProxyTorchDispatchMode, FakeTensorMode):
+        rule = save.python_key_table.get(mode)
+        names = getattr(getattr(rule, "__code__", None), "co_freevars", ())
+        if "impl_backend_select" in names:
+            cell = rule.__closure__[names.index("impl_backend_select")]
+            if not getattr(cell.cell_contents, "_superchip_routed", False):
+                cell.cell_contents = routed(cell.cell_contents, save_state, 0)
+                cell.cell_contents._superchip_routed = True
