@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -192,6 +193,36 @@ def test_compiled_nonzero_static_has_eager_strides():
     out = torch.compile(lambda t: torch.nonzero_static(t, size=8) * 1, fullgraph=True)(x)
     eager = torch.nonzero_static(x, size=8)
     assert torch.equal(out.cpu(), eager.cpu()) and out.stride() == eager.stride()
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled CPU's lowering")
+def test_compiled_conv_bias_and_cat_take_the_cpu_lowerings():
+    # Points 13 and 14 (found by Inductor's OpInfo test in bf16): the bias of a convolution was
+    # peeled off into a kernel of its own (one more bf16 rounding) and a cat of computed inputs
+    # became a pointwise kernel recomputing them (torch.diff with prepend/append: an intermediate
+    # rounded to bf16), where compiled CPU keeps one fused convolution and a ConcatKernel.
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 4, 8, 8), torch.randn(6, 4, 3, 3), torch.randn(6)
+    d, pre, app = torch.randn(5, 5), torch.randn(1, 5), torch.randn(2, 5)
+    cases = [
+        (lambda x, w, b: F.conv2d(x, w, b, padding=1), (x, w, b)),
+        (lambda x, w, b: F.conv_transpose2d(x, w.transpose(0, 1), b), (x, w, b)),
+        (lambda d, p, a: torch.diff(d, n=3, dim=0, prepend=p, append=a), (d, pre, app)),
+    ]
+    for fn, args in cases:
+        args = [a.bfloat16() for a in args]
+        results, codes = [], []
+        for device in ("cpu", "superchip"):
+            torch._dynamo.reset()
+            out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *[a.to(device) for a in args])
+            results.append(out.cpu())
+            codes.append(code[0])
+        assert torch.equal(results[0], results[1]), (fn, (results[0].float() - results[1].float()).abs().max())
+        # The same kernels and extern calls as compiled CPU's (the wrapper names the device).
+        kernels = [re.findall(r"(cpp_fused_\w+) = async_compile|extern_kernels\.(\w+)\(", c) for c in codes]
+        assert kernels[0] == kernels[1] and kernels[0], kernels
 
 
 def test_rng_state_ops_trace_with_make_fx():

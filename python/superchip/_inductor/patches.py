@@ -98,6 +98,23 @@ do exactly that and nothing for other devices.
 ``get_current_backend`` is imported by name into three modules besides its own, hence four
 rebinds.
 
+13. The convolution lowering (torch/_inductor/kernel/conv.py) peels the bias off a convolution on
+   any device but the CPU ("cudnn is slower with it"): the convolution's result rounded to its
+   dtype, then the bias added in a kernel of its own and rounded again. With the CPU executor,
+   compiled bf16 convolutions with a bias differed from compiled CPU's (up to 0.125 for
+   conv2d) and took an extra pass over the output (found by Inductor's OpInfo test in bf16 on
+   superchip). The lowering's device type answers as for the executor.
+14. The ``cat`` lowering (torch/_inductor/lowering.py) lowers a concatenation on the CPU to a
+   ``ConcatKernel`` (its inputs written into the output's slices, each computed once: "negative
+   performance impact of pointwise_cat optimization on CPU") and on other devices, often, to a
+   pointwise kernel that recomputes each input inside it. Superchip with the CPU executor took
+   the pointwise side: other kernels than compiled CPU's, and ``torch.diff`` with prepend and
+   append in bf16 differed from it (an intermediate rounded to bf16; found by the same run).
+   Its device check answers as for the executor.
+
+The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
+(``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises.
+
 Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
 non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
 ``config.cpp.use_two_step_variance_threshold`` elements (LayerNorm statistics) use Welford
@@ -135,6 +152,49 @@ def executor_type(device_type: str) -> str:
     return superchip.executor() if device_type == "superchip" else device_type
 
 
+def _rewrite_code(function, old: str, new: str) -> None:
+    """Points 13 and 14: gives ``function`` (a lowering, under the wrapper Inductor registered)
+    the code of its own source with the one expression ``old`` replaced by ``new``. Its code object
+    is swapped in place, so the registered wrapper, the module's name and recursive calls all
+    get it; globals, defaults and line numbers stay the function's."""
+    import inspect
+    import textwrap
+
+    function = inspect.unwrap(function)
+    if getattr(function, "_superchip_rewritten", False):
+        return
+    lines, first = inspect.getsourcelines(function)
+    source = textwrap.dedent("".join(lines))
+    if source.count(old) != 1:
+        raise RuntimeError(f"superchip: {function.__module__}.{function.__qualname__} does not hold "
+                           f"{old!r} once; check superchip/_inductor/patches.py")
+    source = source.replace(old, new)
+    # The decorators (register_lowering) are not run again: the code starts at the def.
+    start = source.index("def " + function.__name__)
+    offset = first - 1 + source[:start].count("\n")
+    module = compile("\n" * offset + source[start:], function.__code__.co_filename, "exec")
+    code = next(c for c in module.co_consts if getattr(c, "co_name", None) == function.__name__)
+    if code.co_freevars != function.__code__.co_freevars:
+        raise RuntimeError(f"superchip: cannot rewrite {function.__qualname__}; check superchip/_inductor/patches.py")
+    function.__code__ = code
+    function._superchip_rewritten = True
+
+
+_EXECUTOR_TYPE = '__import__("superchip._inductor.patches", fromlist=["executor_type"]).executor_type'
+
+
+def _patch_lowering_device_checks() -> None:
+    from torch._inductor import lowering
+    from torch._inductor.kernel import conv
+
+    # Point 13.
+    _rewrite_code(conv.convolution, "device_type = ir.get_device_type(x)",
+                  f"device_type = {_EXECUTOR_TYPE}(ir.get_device_type(x))")
+    # Point 14.
+    _rewrite_code(lowering.cat, 'cpu_device = inputs[0].get_device().type == "cpu"',
+                  f'cpu_device = {_EXECUTOR_TYPE}(inputs[0].get_device().type) == "cpu"')
+
+
 def apply() -> None:
     global _applied
     if _applied:
@@ -156,6 +216,7 @@ def apply() -> None:
     _patch_flush_before_deviceless_extern()
     _patch_device_guard()
     _patch_combo_kernel_groups()
+    _patch_lowering_device_checks()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
