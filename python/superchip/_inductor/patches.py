@@ -91,13 +91,6 @@ still compare the device type with a fixed list instead of asking the registrati
    compiled CPU graphs decompose to ``native_dropout`` and draw ``rand > p``: the complement
    mask, so compiled dropout and checkpointed random ops no longer gave compiled CPU's bits.
    While tracing, superchip takes torch's decomposition, as the CPU does.
-
-The first three answer about the code generator and the fourth picks a heuristic, so for
-superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
-do exactly that and nothing for other devices.
-``get_current_backend`` is imported by name into three modules besides its own, hence four
-rebinds.
-
 13. The convolution lowering (torch/_inductor/kernel/conv.py) peels the bias off a convolution on
    any device but the CPU ("cudnn is slower with it"): the convolution's result rounded to its
    dtype, then the bias added in a kernel of its own and rounded again. With the CPU executor,
@@ -114,6 +107,12 @@ rebinds.
 
 The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
 (``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises.
+
+The first three answer about the code generator and the fourth picks a heuristic, so for
+superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
+do exactly that and nothing for other devices.
+``get_current_backend`` is imported by name into three modules besides its own, hence four
+rebinds.
 
 Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
 non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
