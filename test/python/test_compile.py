@@ -526,20 +526,50 @@ def test_superchips_global_hooks_add_no_graph_break_to_a_compiled_optimizer_step
         host = sum(superchip.tier_of(p) == "host" for p in m.parameters())
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         step = torch.compile(lambda: opt.step())
+        def reads():
+            s = superchip.stream_stats()
+            return s["hits"] + s["staged_at_use"] + s["in_place_reads"]
+        step_reads = 0
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for _ in range(6):
                 m(torch.randn(4, 128, device="superchip")).square().mean().backward()
+                before = reads()
                 step()
+                step_reads += reads() - before
                 opt.zero_grad()
         print(json.dumps(dict(host=host, state=superchip.weights_plan()["state"],
-                              hits=superchip.stream_stats()["hits"],
+                              hits=superchip.stream_stats()["hits"], step_reads=step_reads,
                               warnings=[str(x.message)[:120] for x in w if "Dynamo" in str(x.message)])))
     """), env=dict(SUPERCHIP_HBM_BYTES="300K"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["host"] > 0 and out["state"] == "streaming" and out["hits"] > 0, out
+    # SGD writes the weights and never reads them, so neither do compiling and running the step.
+    # torch 2.11's guards printed every parameter (90 weight reads, and a plan learned from
+    # them that the loop never followed: Note [Why superchip patches Inductor], point 15).
+    assert out["step_reads"] == 0, out
     assert out["warnings"] == [], out
+
+
+def test_guards_describe_superchip_tensors_by_type():
+    # Point 15 of Note [Why superchip patches Inductor]: a guard's description must not read a
+    # superchip tensor's values; where this torch's guard builder would (2.11), it is patched.
+    import inspect
+
+    import torch._dynamo.guards as guards
+
+    from superchip._inductor import patches
+
+    w = torch.randn(64, 64).to("superchip")
+    before = superchip.stream_stats()
+    assert patches.guard_repr(w) == repr(torch.Tensor)
+    assert patches.guard_repr(torch.nn.Parameter(w)) == repr(torch.nn.Parameter)
+    assert patches.guard_repr(3) == "3" and patches.guard_repr(torch.ones(1)) == repr(torch.ones(1))
+    assert superchip.stream_stats() == before
+    method = guards.GuardBuilder.id_match_unchecked
+    assert (patches._GUARD_REPR_OLD not in inspect.getsource(method)
+            or getattr(method, "_superchip_rewritten", False))
 
 
 def test_cpp_wrapper_is_rejected_clearly():

@@ -75,8 +75,9 @@ def register() -> None:
 def register_if_inductor_loaded() -> None:
     """Registers now when Dynamo or Inductor is already imported: Inductor may have set up its
     backends already (it asks the device module only once). Otherwise the device interface is
-    registered when Dynamo loads (Note [Why superchip patches Inductor], point 11), and the rest
-    on first use. Fake-tensor and tracing rules are patched now (points 5, 6, 10 and 12)."""
+    registered when Dynamo loads (Note [Why superchip patches Inductor], point 11), its guard
+    descriptions patched when its guards load (point 15), and the rest on first use.
+    Fake-tensor and tracing rules are patched now (points 5, 6, 10 and 12)."""
     import sys
 
     from . import patches
@@ -88,9 +89,6 @@ def register_if_inductor_loaded() -> None:
         register_interface_when_dynamo_loads()
 
 
-_INTERFACE_MODULE = "torch._dynamo.device_interface"
-
-
 def _register_interface() -> None:
     from torch._dynamo.device_interface import register_interface_for_device
 
@@ -99,34 +97,53 @@ def _register_interface() -> None:
     register_interface_for_device("superchip", SuperchipInterface)
 
 
-class _AfterDynamoInterfaces:
-    """A one-shot import hook: runs ``torch._dynamo.device_interface`` as usual, then registers
-    superchip's interface in it, before Dynamo reads its registry (Dynamo builds its handlers
-    of ``torch.<device>.stream`` once, at its first trace)."""
+def _patch_guards() -> None:
+    from . import patches
+
+    patches.patch_guard_repr()
+
+
+# What runs right after a Dynamo module is first executed, and what its failure means.
+_AFTER_IMPORT = {
+    # Point 11: before Dynamo reads its registry (it builds its handlers of
+    # ``torch.<device>.stream`` once, at its first trace).
+    "torch._dynamo.device_interface": (_register_interface, "Dynamo's device interface could not be registered"),
+    # Point 15: before the first guard is built, whatever the backend.
+    "torch._dynamo.guards": (_patch_guards, "Dynamo's guard descriptions could not be patched"),
+}
+
+
+class _AfterDynamoImports:
+    """A one-shot import hook per module of ``_AFTER_IMPORT``: runs the module as usual, then
+    its action. Removes itself once every module was seen."""
+
+    def __init__(self) -> None:
+        self.pending = set(_AFTER_IMPORT)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _INTERFACE_MODULE:
+        if fullname not in self.pending:
             return None
         import importlib.machinery
         import sys
 
-        if self in sys.meta_path:
+        self.pending.discard(fullname)
+        if not self.pending and self in sys.meta_path:
             sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
-            return spec  # not a plain module: registered with Inductor's backend instead
+            return spec  # not a plain module: done with Inductor's registration instead
         execute = loader.exec_module
+        action, failure = _AFTER_IMPORT[fullname]
 
         def exec_module(module):
             execute(module)
             try:
-                _register_interface()
-            except Exception as e:  # never break Dynamo's import; compile registers again
+                action()
+            except Exception as e:  # never break Dynamo's import; compile does it again
                 import warnings
 
-                warnings.warn(f"superchip: Dynamo's device interface could not be registered: {e}",
-                              stacklevel=2)
+                warnings.warn(f"superchip: {failure}: {e}", stacklevel=2)
 
         loader.exec_module = exec_module
         return spec
@@ -135,5 +152,5 @@ class _AfterDynamoInterfaces:
 def register_interface_when_dynamo_loads() -> None:
     import sys
 
-    if not any(isinstance(f, _AfterDynamoInterfaces) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDynamoInterfaces())
+    if not any(isinstance(f, _AfterDynamoImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDynamoImports())

@@ -105,8 +105,22 @@ still compare the device type with a fixed list instead of asking the registrati
    append in bf16 differed from it (an intermediate rounded to bf16; found by the same run).
    Its device check answers as for the executor.
 
+15. (torch 2.11; Dynamo, whatever the backend) The guard builder describes an identity guard
+   (``ID_MATCH``) with ``repr(val)`` of the guarded object, and a compiled ``torch.optim`` step
+   guards each parameter by identity: printing a parameter reads its values (slices, a cat, and
+   a whole-tensor cast for bf16). For superchip weights in host, every compile of a step staged
+   each weight into hbm for nothing, and the streaming plan learned the guard builder's reads
+   as the training loop's period: it streamed from the first step with an order the loop did
+   not follow, mispredicted, and recorded again (a compiled SGD step at 4x the budget was still
+   recording at its sixth step; eagerly, and on 2.13, it streams from the fourth). 2.13 writes
+   the object's type instead. For superchip tensors the description gives the type on 2.11
+   too; other objects keep their repr. Where the source lacks that expression, nothing is
+   patched. Applied when ``torch._dynamo.guards`` is first imported (an import hook, as for
+   point 11) and with Inductor's registration.
+
 The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
-(``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises.
+(``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises. Point 15 uses the
+same rewrite.
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -152,7 +166,7 @@ def executor_type(device_type: str) -> str:
 
 
 def _rewrite_code(function, old: str, new: str) -> None:
-    """Points 13 and 14: gives ``function`` (a lowering, under the wrapper Inductor registered)
+    """Points 13, 14 and 15: gives ``function`` (under any wrapper registered around it)
     the code of its own source with the one expression ``old`` replaced by ``new``. Its code object
     is swapped in place, so the registered wrapper, the module's name and recursive calls all
     get it; globals, defaults and line numbers stay the function's."""
@@ -194,6 +208,33 @@ def _patch_lowering_device_checks() -> None:
                   f'cpu_device = {_EXECUTOR_TYPE}(inputs[0].get_device().type) == "cpu"')
 
 
+_GUARD_REPR_OLD = "type_repr = repr(val)"
+
+
+def guard_repr(val) -> str:
+    """Point 15: how a guard describes ``val``; a superchip tensor by its type, without reading
+    its values."""
+    if isinstance(val, torch.Tensor) and val.device.type == "superchip":
+        return repr(type(val))
+    return repr(val)
+
+
+def patch_guard_repr() -> None:
+    """Point 15. Idempotent; nothing on a torch outside the checked range or without the
+    expression."""
+    import inspect
+
+    if not (_SUPPORTED[0] <= _torch_version() <= _SUPPORTED[1]):
+        return
+    from torch._dynamo import guards
+
+    method = getattr(guards.GuardBuilder, "id_match_unchecked", None)
+    if method is None or _GUARD_REPR_OLD not in inspect.getsource(method):
+        return
+    _rewrite_code(method, _GUARD_REPR_OLD,
+                  'type_repr = __import__("superchip._inductor.patches", fromlist=["guard_repr"]).guard_repr(val)')
+
+
 def apply() -> None:
     global _applied
     if _applied:
@@ -216,6 +257,7 @@ def apply() -> None:
     _patch_device_guard()
     _patch_combo_kernel_groups()
     _patch_lowering_device_checks()
+    patch_guard_repr()
     if superchip.executor() == "cuda":
         _patch_device_properties()
     _applied = True
