@@ -395,6 +395,25 @@ def test_max_autotune_no_cudagraphs():
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=RTOL, atol=1e-6)
 
 
+def test_max_autotune_times_several_choices_as_the_executor_does():
+    # Point 16 of Note [Why superchip patches Inductor]: an addmm with a broadcast bias has two
+    # ATen choices (addmm, bias_addmm), so max-autotune benchmarks them; superchip's were timed
+    # with CUDA's events and all failed ("Torch not compiled with CUDA enabled"), and so did
+    # the compile. On torch 2.11 every nn.Linear got there.
+    import torch._inductor.config as inductor_config
+
+    def f(inp, a, b):
+        return torch.addmm(inp.expand(8, 32), a, b)
+
+    torch.manual_seed(0)
+    args = [torch.randn(1, 32), torch.randn(8, 16), torch.randn(16, 32)]
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        out = torch.compile(f, mode="max-autotune-no-cudagraphs", fullgraph=True)(
+            *[t.to("superchip") for t in args])
+    torch.testing.assert_close(out.cpu(), f(*args), rtol=RTOL, atol=1e-6)
+
+
 def test_dropout_draws_like_compiled_executor():
     """Inductor's random numbers come from a seed drawn from the device's generator; superchip's
     generator reproduces the executor's stream, so compiled dropout masks match the executor's

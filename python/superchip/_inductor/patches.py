@@ -117,6 +117,15 @@ still compare the device type with a fixed list instead of asking the registrati
    too; other objects keep their repr. Where the source lacks that expression, nothing is
    patched. Applied when ``torch._dynamo.guards`` is first imported (an import hook, as for
    point 11) and with Inductor's registration.
+16. (CPU executor) max-autotune benchmarks the choices of an operator that has more than one
+   (``addmm`` with a broadcast bias: ATen's ``addmm`` and ``bias_addmm``; on 2.11 every
+   ``nn.Linear``) with a benchmark request picked by device type: the CPU's for ``"cpu"``, the
+   GPU's (CUDA events on the current CUDA device) for anything else. Superchip took the GPU's:
+   every choice failed ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver") and
+   the compile with it (``NoValidChoicesError``, or ``Incorrect result from choice``). A GPU
+   request whose tensors are superchip's is timed as the CPU's is. Inductor's autotuning cache
+   keeps the timings of a failed run (all infinite): compiles of the same shapes on a machine
+   that ran into this keep failing until that cache is cleared (``TORCHINDUCTOR_CACHE_DIR``).
 
 The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
 (``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises. Point 15 uses the
@@ -256,6 +265,7 @@ def apply() -> None:
     _patch_flush_before_deviceless_extern()
     _patch_device_guard()
     _patch_combo_kernel_groups()
+    _patch_extern_benchmarks()
     _patch_lowering_device_checks()
     patch_guard_repr()
     if superchip.executor() == "cuda":
@@ -313,6 +323,22 @@ def _patch_dropout_tracing() -> None:
         return
     # Used by the Python dispatcher only (tracing); eager dispatch keeps the C++ kernel.
     op.py_impl(DispatchKey.AutogradPrivateUse1)(decomposition)
+
+
+def _patch_extern_benchmarks() -> None:
+    if superchip.executor() == "cuda":
+        return  # point 16: the GPU request times CUDA kernels on the current CUDA device
+    from torch._inductor.autotune_process import CPUDeviceBenchmarkMixin, GPUDeviceBenchmarkMixin
+
+    original = GPUDeviceBenchmarkMixin.do_bench
+
+    def do_bench(self, fn, *input_tensors, out=None):
+        if any(isinstance(t, torch.Tensor) and t.device.type == "superchip" for t in (*input_tensors, out)):
+            return CPUDeviceBenchmarkMixin.do_bench(self, fn, *input_tensors, out=out)
+        return original(self, fn, *input_tensors, out=out)
+
+    do_bench.__wrapped__ = original  # type: ignore[attr-defined]
+    GPUDeviceBenchmarkMixin.do_bench = do_bench
 
 
 def _patch_device_guard() -> None:
