@@ -207,3 +207,22 @@ def test_overrideable_entry_gives_the_cuda_flash_branch_bits_emulated(tmp_path):
     proc = run_python(EMULATED_FLASH, env={"SUPERCHIP_EMULATE_CUDA_FLASH": "1", **cache})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.stdout.count("OK") == 5, proc.stdout
+
+
+def test_the_attention_entry_has_fake_rules_both_ways():
+    # Point 18 of Note [Why superchip patches Inductor]: without a meta function for the
+    # backward (torch 2.11), every trace of a compiled attention backward ran the real kernel
+    # on zero-filled superchip tensors.
+    for name in ("_scaled_dot_product_fused_attention_overrideable",
+                 "_scaled_dot_product_fused_attention_overrideable_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"), name
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 16, 36, device="superchip").transpose(1, 2) for _ in range(3))
+        out, lse = torch.empty(2, 16, 4, 36, device="superchip"), torch.empty(2, 4, 16, device="superchip")
+        grads = torch.ops.aten._scaled_dot_product_fused_attention_overrideable_backward(
+            out, q, k, v, None, [True, True, True, False], out, lse, None, None, 16, 16, 0.0, False,
+            torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
+    assert [tuple(g.shape) for g in grads[:3]] == [(2, 16, 4, 36)] * 3
+    assert [g.stride() for g in grads[:3]] == [q.stride(), k.stride(), v.stride()]

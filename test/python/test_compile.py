@@ -414,6 +414,31 @@ def test_max_autotune_times_several_choices_as_the_executor_does():
     torch.testing.assert_close(out.cpu(), f(*args), rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["mul", "add_sin", "maximum", "pow", "lerp", "sum", "cat", "where"])
+def test_a_cpu_scalar_operand_leaves_the_result_on_superchip(name):
+    # Point 17 of Note [Why superchip patches Inductor]: a compiled pointwise op whose first
+    # operand is a CPU 0-dim tensor put its result on the CPU (eager: on superchip), and a cat
+    # of such a result failed to lower. Same bits as the compiled CPU graph.
+    f = {
+        "mul": lambda s, x: s * x,
+        "add_sin": lambda s, x: (s + x).sin(),
+        "maximum": lambda s, x: torch.maximum(s, x),
+        "pow": lambda s, x: torch.pow(s, x),
+        "lerp": lambda s, x: torch.lerp(x, x * 2, s),
+        "sum": lambda s, x: (s * x).sum(0),
+        "cat": lambda s, x: torch.cat([s * x, x]),
+        "where": lambda s, x: torch.where(x > 0, s, x),
+    }[name]
+    torch.manual_seed(0)
+    s, x = torch.tensor(2.5), torch.randn(4, 3)
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True)(s, x.to("superchip"))
+    assert out.device.type == "superchip", out.device
+    torch._dynamo.reset()
+    ref = torch.compile(f, fullgraph=True)(s, x)
+    assert torch.equal(out.cpu(), ref), (out.cpu(), ref)
+
+
 def test_dropout_draws_like_compiled_executor():
     """Inductor's random numbers come from a seed drawn from the device's generator; superchip's
     generator reproduces the executor's stream, so compiled dropout masks match the executor's

@@ -126,6 +126,22 @@ still compare the device type with a fixed list instead of asking the registrati
    request whose tensors are superchip's is timed as the CPU's is. Inductor's autotuning cache
    keeps the timings of a failed run (all infinite): compiles of the same shapes on a machine
    that ran into this keep failing until that cache is cleared (``TORCHINDUCTOR_CACHE_DIR``).
+17. A pointwise lowering (``make_pointwise`` in torch/_inductor/lowering.py) puts its result on
+   the first operand whose device type ``is_gpu`` names, else on the first operand's device: a
+   CPU 0-dim tensor times a superchip tensor (``torch.tensor(2.0) * x``, a scalar the user or a
+   scheduler keeps on the CPU) gave a compiled graph whose result was a CPU tensor, where
+   eager gives a superchip one (found by a review of Inductor's device checks; with the CUDA
+   executor the C++ kernel would have read CUDA memory). For that choice, and only there
+   (``lowering.is_gpu`` has no other caller), superchip counts as an accelerator, as eager's
+   type promotion treats it: the result is superchip's.
+18. (torch 2.11) ``_scaled_dot_product_fused_attention_overrideable_backward``, the backward of
+   the attention entry superchip's SDPA takes (the fused entry a PrivateUse1 device gets), has
+   no meta function in 2.11 (2.13 has one). Fake tensors then ran the real kernel on zero-filled
+   superchip tensors at every trace of a compiled attention backward (a whole attention
+   backward at compile time, on the executor's device; found by the emulated flash-entry test
+   on 2.11, whose kernel was called three times more than the graph calls it). Where a torch
+   lacks it, superchip registers 2.13's: gradients shaped and strided like the inputs. Applied
+   at ``import superchip`` with the other fake rules.
 
 The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
 (``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises. Point 15 uses the
@@ -267,6 +283,7 @@ def apply() -> None:
     _patch_combo_kernel_groups()
     _patch_extern_benchmarks()
     _patch_lowering_device_checks()
+    _patch_pointwise_device()
     patch_guard_repr()
     if superchip.executor() == "cuda":
         _patch_device_properties()
@@ -293,6 +310,7 @@ def apply_fake_rules() -> None:
         _patch_conv_layout()
         _patch_rng_state_ops()
         _patch_dropout_tracing()
+        _register_attention_backward_meta()
     except RuntimeError as e:  # a name this torch lacks: import still works, compile says why
         _fake_rules_error = e
 
@@ -323,6 +341,27 @@ def _patch_dropout_tracing() -> None:
         return
     # Used by the Python dispatcher only (tracing); eager dispatch keeps the C++ kernel.
     op.py_impl(DispatchKey.AutogradPrivateUse1)(decomposition)
+
+
+def _patch_pointwise_device() -> None:
+    from torch._inductor import lowering
+
+    import inspect
+
+    original = lowering.is_gpu
+    if getattr(original, "_superchip", False):
+        return
+    if inspect.getsource(lowering).count("is_gpu(") != 1:
+        raise RuntimeError("superchip: torch._inductor.lowering calls is_gpu in more than one place; "
+                           "check point 17 of superchip/_inductor/patches.py")
+
+    def is_gpu(device_type) -> bool:
+        # Point 17: make_pointwise's choice of the result's device.
+        return device_type == "superchip" or original(device_type)
+
+    is_gpu._superchip = True  # type: ignore[attr-defined]
+    is_gpu.__wrapped__ = original  # type: ignore[attr-defined]
+    lowering.is_gpu = is_gpu
 
 
 def _patch_extern_benchmarks() -> None:
@@ -508,6 +547,27 @@ def _superchip_device(args, kwargs):
     else:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     return device if device is not None and device.type == "superchip" else None
+
+
+_attention_meta_library = None
+
+
+def _register_attention_backward_meta() -> None:
+    global _attention_meta_library
+    name = "_scaled_dot_product_fused_attention_overrideable_backward"
+    if _attention_meta_library is not None or not hasattr(torch.ops.aten, name):
+        return
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+        return  # point 18: torch has its own (2.13)
+
+    def meta(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
+             cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+        grad_bias = torch.empty_like(attn_bias) if attn_bias is not None else None
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_bias
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl(name, meta, "Meta")
+    _attention_meta_library = library
 
 
 def _patch_rng_state_ops() -> None:
