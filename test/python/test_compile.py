@@ -414,11 +414,14 @@ def test_max_autotune_times_several_choices_as_the_executor_does():
     torch.testing.assert_close(out.cpu(), f(*args), rtol=RTOL, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mul", "add_sin", "maximum", "pow", "lerp", "sum", "cat", "where"])
+@pytest.mark.parametrize("name", ["mul", "add_sin", "maximum", "pow", "lerp", "sum", "cat", "where",
+                                  "computed_scalar", "digamma"])
 def test_a_cpu_scalar_operand_leaves_the_result_on_superchip(name):
     # Point 17 of Note [Why superchip patches Inductor]: a compiled pointwise op whose first
     # operand is a CPU 0-dim tensor put its result on the CPU (eager: on superchip), and a cat
-    # of such a result failed to lower. Same bits as the compiled CPU graph.
+    # of such a result failed to lower. Same bits as the compiled CPU graph. With the CUDA
+    # executor (point 19), a 0-dim CPU value computed in the graph reaches a Triton kernel as a
+    # scalar, and an op Triton cannot generate (digamma) falls back to ATen.
     f = {
         "mul": lambda s, x: s * x,
         "add_sin": lambda s, x: (s + x).sin(),
@@ -428,6 +431,8 @@ def test_a_cpu_scalar_operand_leaves_the_result_on_superchip(name):
         "sum": lambda s, x: (s * x).sum(0),
         "cat": lambda s, x: torch.cat([s * x, x]),
         "where": lambda s, x: torch.where(x > 0, s, x),
+        "computed_scalar": lambda s, x: (s * 2 + 1) * x,
+        "digamma": lambda s, x: torch.special.digamma(x.abs() + 1) * s,
     }[name]
     torch.manual_seed(0)
     s, x = torch.tensor(2.5), torch.randn(4, 3)
@@ -436,7 +441,32 @@ def test_a_cpu_scalar_operand_leaves_the_result_on_superchip(name):
     assert out.device.type == "superchip", out.device
     torch._dynamo.reset()
     ref = torch.compile(f, fullgraph=True)(s, x)
-    assert torch.equal(out.cpu(), ref), (out.cpu(), ref)
+    if superchip.executor() == "cpu":
+        assert torch.equal(out.cpu(), ref), (out.cpu(), ref)
+    else:  # Triton's kernels, not the CPU's
+        torch.testing.assert_close(out.cpu(), ref, rtol=RTOL, atol=1e-6)
+
+
+def test_the_cuda_executors_triton_answers_apply_to_this_torch():
+    # Point 19 runs with the CUDA executor only; applied here (in a child process, under the
+    # CPU executor) it must find the names it rebinds in this torch and answer as for "cuda".
+    r = run_python(textwrap.dedent("""
+        import torch, superchip
+        from superchip._inductor import patches, register
+        register()
+        patches._patch_triton_device_checks()
+        import torch._inductor.config as config
+        from torch._inductor import ir, lowering
+        from torch._inductor.kernel import mm
+        from torch._inductor.scheduler import BaseSchedulerNode
+        node = lambda d: type("Node", (), {"get_device": lambda self: d})()
+        d = torch.device("superchip", 0)
+        print(ir.is_triton(d) == (config.cuda_backend == "triton"), ir.is_triton(torch.device("cpu")),
+              lowering.is_triton is ir.is_triton and mm.is_triton is ir.is_triton,
+              BaseSchedulerNode.is_gpu(node(d)), BaseSchedulerNode.is_gpu(node(torch.device("cpu"))))
+    """), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "False", "True", "True", "False"], r.stdout
 
 
 def test_dropout_draws_like_compiled_executor():

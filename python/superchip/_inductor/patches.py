@@ -142,6 +142,16 @@ still compare the device type with a fixed list instead of asking the registrati
    on 2.11, whose kernel was called three times more than the graph calls it). Where a torch
    lacks it, superchip registers 2.13's: gradients shaped and strided like the inputs. Applied
    at ``import superchip`` with the other fake rules.
+19. (CUDA executor only, untested: no GPU in CI; found by a review of Inductor's device checks)
+   Two more questions Inductor asks of a device type get "no" for superchip where the answer
+   for its Triton kernels is CUDA's. ``BaseSchedulerNode.is_gpu()``: only GPU nodes have their
+   0-dim CPU inputs computed in the graph passed to a Triton kernel as scalars
+   (``update_zero_dim_cpu_tensor``); a superchip kernel was passed the CPU buffer's pointer.
+   ``ir.is_triton(device)`` (by name in ``lowering`` and ``kernel.mm`` too) answers from the
+   device's registered Scheduling class, and superchip's, ``CUDACombinedScheduling``, is not
+   a ``TritonScheduling``: ops Triton cannot generate (``digamma``, ``i0e``, ``zeta``, ...)
+   were lowered to Triton and failed instead of falling back to ATen. Both answer as for
+   ``"cuda"``.
 
 The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
 (``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises. Point 15 uses the
@@ -287,6 +297,7 @@ def apply() -> None:
     patch_guard_repr()
     if superchip.executor() == "cuda":
         _patch_device_properties()
+        _patch_triton_device_checks()
     _applied = True
 
 
@@ -495,6 +506,38 @@ def _patch_ir_is_cpu() -> None:
 
     is_cpu.__wrapped__ = original  # type: ignore[attr-defined]
     ir.is_cpu = is_cpu
+
+
+def _patch_triton_device_checks() -> None:
+    # Point 19 (called with the CUDA executor only).
+    import importlib
+
+    from torch._inductor import ir
+    from torch._inductor.scheduler import BaseSchedulerNode
+
+    original_is_gpu = BaseSchedulerNode.is_gpu
+
+    def is_gpu(self) -> bool:
+        device = self.get_device()
+        if device is not None and device.type == "superchip":
+            return True
+        return original_is_gpu(self)
+
+    is_gpu.__wrapped__ = original_is_gpu  # type: ignore[attr-defined]
+    BaseSchedulerNode.is_gpu = is_gpu
+
+    original_is_triton = ir.is_triton
+
+    def is_triton(x) -> bool:
+        if ir.get_device_type(x) == "superchip":
+            return original_is_triton("cuda")
+        return original_is_triton(x)
+
+    is_triton.__wrapped__ = original_is_triton  # type: ignore[attr-defined]
+    for name in ("torch._inductor.ir", "torch._inductor.lowering", "torch._inductor.kernel.mm"):
+        module = importlib.import_module(name)
+        if getattr(module, "is_triton", None) is original_is_triton:
+            module.is_triton = is_triton
 
 
 def _patch_device_properties() -> None:
