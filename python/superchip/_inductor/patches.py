@@ -174,8 +174,16 @@ extern calls and allocations; the LayerNorm kernels differ as above, so results 
 from compiled CPU in the last bits. Matching those too would take copies of Inductor's
 lowering logic, so they are left as they are.
 
-Tested on torch 2.13; the checked range is the one superchip supports (2.11 to 2.13). Outside
-it, or when a patched name is missing, ``apply()`` raises instead of guessing.
+With the CUDA executor, Inductor still takes the non-GPU side of a few checks that only cost
+speed (``is_gpu`` in torch/_inductor/utils.py and compile_fx.py): superchip inputs are taken
+for unaligned (no 16-byte divisibility hints in Triton kernels), max-autotune has no Triton
+GEMM templates, and mix-order reductions and online softmax stay off. Left for a GPU run to
+measure (bench/compile.py against compiled CUDA): assuming alignment needs the runtime check
+that goes with it, and neither can be tried here.
+
+Tested on torch 2.13 and, with the CPU executor, 2.11; the checked range is the one superchip
+supports (2.11 to 2.13). Outside it, or when a patched name is missing, ``apply()`` raises
+instead of guessing.
 """
 
 from __future__ import annotations
