@@ -179,7 +179,14 @@ speed (``is_gpu`` in torch/_inductor/utils.py and compile_fx.py): superchip inpu
 for unaligned (no 16-byte divisibility hints in Triton kernels), max-autotune has no Triton
 GEMM templates, and mix-order reductions and online softmax stay off. Left for a GPU run to
 measure (bench/compile.py against compiled CUDA): assuming alignment needs the runtime check
-that goes with it, and neither can be tried here.
+that goes with it, and neither can be tried here. Torch 2.13 (not 2.11, the GPU image's) also
+keys a few numerics of its lowerings on ``device.type == "cuda"``: FMA for add-with-alpha,
+``addcmul`` and ``addcdiv``, ``config.align_random_eager``, two-step variance. With the CUDA
+executor on 2.13, compiled superchip graphs may then differ from compiled CUDA's in the last
+bits (the CPU executor answers as the CPU, which is right). The first of them sits in a closure
+made for every pointwise lowering at import, which a code rewrite cannot reach. And the
+``addcmul``/``addcdiv`` lowerings put their result on ``self``'s device, a CPU one for a CPU
+0-dim ``self`` (eager: the other operands'): torch's own bug, for CUDA too; left as is.
 
 Tested on torch 2.13 and, with the CPU executor, 2.11; the checked range is the one superchip
 supports (2.11 to 2.13). Outside it, or when a patched name is missing, ``apply()`` raises
