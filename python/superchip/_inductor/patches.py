@@ -61,7 +61,11 @@ still compare the device type with a fixed list instead of asking the registrati
    without the declaration (``NameError: name 'stream1' is not defined``, found by running
    Inductor's own tests on superchip). Superchip graphs get a device guard
    (``torch.superchip.device(i)``), which also runs a graph on ``superchip:1`` with that device
-   current.
+   current. Torch 2.12's wrapper names the default stream ``torch.cuda.current_stream()``
+   and enters a user's stream with ``torch.cuda.stream(stream1)``, whatever the device ("Found
+   no NVIDIA driver" with the CPU executor, found by running the suite on 2.12); for superchip
+   graphs they are written as 2.13 writes them (``torch.superchip.current_stream()``,
+   ``with stream1:``).
 9. ``Scheduler``'s combo-kernel grouping (``config.combo_kernels``) leaves out nodes on
    ``"cpu"`` (the C++ backend has no combo kernels) and grouped superchip ones with the CPU
    executor: compilation failed (``AssertionError: type(self)=<class 'Scheduler'>``). Groups of
@@ -416,6 +420,58 @@ def _patch_device_guard() -> None:
 
     device_need_guard.__wrapped__ = original  # type: ignore[attr-defined]
     scheduler.device_need_guard = device_need_guard
+    _patch_default_stream_line()
+
+
+def _patch_default_stream_line() -> None:
+    # Point 8, torch 2.12: the wrapper names a graph's default stream and enters a user's stream
+    # through torch.cuda, whatever the device (2.13 asks the device's op overrides and enters
+    # the stream object itself; 2.11 writes no streams).
+    import inspect
+    import re
+
+    from torch._inductor.codegen import wrapper
+    from torch._inductor.virtualized import V
+
+    from .codegen import _SuperchipDeviceOps
+
+    cuda_stream = " = torch.cuda.current_stream()"
+    enter = re.compile(r"^with torch\.cuda\.stream\((\w+)\):$")
+
+    class _Rewriting:
+        """``code`` with the stream lines written for superchip, as 2.13 writes them."""
+
+        def __init__(self, code) -> None:
+            self._code = code
+
+        def __getattr__(self, name):
+            return getattr(self._code, name)
+
+        def writeline(self, line) -> None:
+            if isinstance(line, str):
+                if line.endswith(cuda_stream):
+                    line = line[: -len(cuda_stream)] + f" = {V.graph.device_ops.current_stream()}"
+                elif match := enter.match(line):
+                    line = f"with {match.group(1)}:"
+            self._code.writeline(line)
+
+    for name, written in (("EnterDeviceContextManagerWithStreamInfoLine", cuda_stream),
+                          ("EnterCudaStreamContextLine", "with torch.cuda.stream(")):
+        line_class = getattr(wrapper, name, None)
+        if line_class is None or getattr(line_class.codegen, "_superchip", False):
+            continue
+        if written.strip() not in inspect.getsource(line_class.codegen):
+            continue
+        original = line_class.codegen
+
+        def codegen(self, code, original=original) -> None:
+            if isinstance(V.graph.device_ops, _SuperchipDeviceOps) and not V.graph.cpp_wrapper:
+                return original(self, _Rewriting(code))
+            return original(self, code)
+
+        codegen._superchip = True  # type: ignore[attr-defined]
+        codegen.__wrapped__ = original  # type: ignore[attr-defined]
+        line_class.codegen = codegen
 
 
 def _patch_combo_kernel_groups() -> None:
