@@ -156,10 +156,25 @@ still compare the device type with a fixed list instead of asking the registrati
    a ``TritonScheduling``: ops Triton cannot generate (``digamma``, ``i0e``, ``zeta``, ...)
    were lowered to Triton and failed instead of falling back to ATen. Both answer as for
    ``"cuda"``.
+20. Heuristics that choose other arithmetic for the CPU than for any other device. A division
+   by a constant (``div_prim`` in torch/_inductor/lowering.py) stays a division on the CPU and
+   becomes a multiplication by the reciprocal elsewhere (pytorch#157959: "precision issues");
+   reductions of at most ``config.cpp.use_two_step_variance_threshold`` elements (LayerNorm
+   statistics of short rows) take two-step statistics on the CPU and Welford elsewhere
+   (``use_two_step_variance``, 2.12 on); a matmul with one row and a tiny ``mm``/``addmm``/
+   ``bmm`` becomes a sum of products on the CPU and stays ATen's kernel elsewhere
+   (torch/_inductor/decomposition.py). Superchip with the CPU executor took the other side:
+   ``x / 3.0`` compiled was 1 ulp off compiled CPU (and eager) for some elements, and the
+   demo GPT, compiled and trained, had 191 of its 202 losses, gradients and weights off
+   compiled CPU's in the last bits. Each check answers as for the executor; with the CPU
+   executor that GPT training now gives compiled CPU's bits (with
+   ``torch.use_deterministic_algorithms(True)``: compiled embedding backward adds rows with
+   atomics from several threads, on the CPU as well, so without it rare calls differ in the
+   last bits on either device).
 
-The rewrites of points 13 and 14 change one expression in a copy of the lowering's code
-(``_rewrite_code``); where a torch's source lacks it, ``apply()`` raises. Point 15 uses the
-same rewrite.
+The rewrites of points 13, 14 and 20 change expressions in a copy of the function's code
+(``_rewrite_code``); where a torch's source lacks one, ``apply()`` raises (point 20 expects
+two of its expressions only from 2.12). Point 15 uses the same rewrite.
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
@@ -167,16 +182,14 @@ do exactly that and nothing for other devices.
 ``get_current_backend`` is imported by name into three modules besides its own, hence four
 rebinds.
 
-Other ``device.type == "cpu"`` checks in Inductor are heuristics, and superchip takes their
-non-CPU side, which generates correct code that is not always the CPU's: reductions of at most
-``config.cpp.use_two_step_variance_threshold`` elements (LayerNorm statistics) use Welford
-instead of sum-then-divide, a division by a constant becomes a multiplication by its
-reciprocal (CPU keeps the division, pytorch#157959), tiny-matmul decompositions follow the
-GPU defaults, and max-autotune has no C++ GEMM template (ATen's mm
-only). For the example GPT at the demo's size the generated code has the CPU's kernels,
-extern calls and allocations; the LayerNorm kernels differ as above, so results may differ
-from compiled CPU in the last bits. Matching those too would take copies of Inductor's
-lowering logic, so they are left as they are.
+Other ``device.type == "cpu"`` checks in Inductor choose speed or kernel shape (max-autotune's
+C++ GEMM template, which superchip lacks: ATen's mm only; a pad lowered as a cat; how
+arg-reductions index non-contiguous inputs; whether grid sampling expands its grid), and
+superchip takes their non-CPU side, which generates correct code. One more picks arithmetic
+and is left as is because training never reaches it: the lowering of
+``quantize_per_tensor.tensor`` (quantized inference) rounds with an FMA on the CPU only. For
+the example GPT at the demo's size the generated code has the CPU's kernels, extern calls and
+allocations, and the CPU's bits (point 20).
 
 With the CUDA executor, Inductor still takes the non-GPU side of a few checks that only cost
 speed (``is_gpu`` in torch/_inductor/utils.py and compile_fx.py): superchip inputs are taken
@@ -219,11 +232,12 @@ def executor_type(device_type: str) -> str:
     return superchip.executor() if device_type == "superchip" else device_type
 
 
-def _rewrite_code(function, old: str, new: str) -> None:
-    """Points 13, 14 and 15: gives ``function`` (under any wrapper registered around it)
-    the code of its own source with the one expression ``old`` replaced by ``new``. Its code object
-    is swapped in place, so the registered wrapper, the module's name and recursive calls all
-    get it; globals, defaults and line numbers stay the function's."""
+def _rewrite_code(function, *replacements: tuple[str, str], every: bool = False) -> None:
+    """Points 13 to 15 and 20: gives ``function`` (under any wrapper registered around it)
+    the code of its own source with each ``(old, new)`` of ``replacements`` applied: the one
+    expression ``old`` replaced by ``new`` (``every``: each of its occurrences, at least one).
+    Its code object is swapped in place, so the registered wrapper, the module's name and
+    recursive calls all get it; globals, defaults and line numbers stay the function's."""
     import inspect
     import textwrap
 
@@ -232,10 +246,12 @@ def _rewrite_code(function, old: str, new: str) -> None:
         return
     lines, first = inspect.getsourcelines(function)
     source = textwrap.dedent("".join(lines))
-    if source.count(old) != 1:
-        raise RuntimeError(f"superchip: {function.__module__}.{function.__qualname__} does not hold "
-                           f"{old!r} once; check superchip/_inductor/patches.py")
-    source = source.replace(old, new)
+    for old, new in replacements:
+        if source.count(old) != 1 and not (every and source.count(old) > 1):
+            raise RuntimeError(f"superchip: {function.__module__}.{function.__qualname__} does not "
+                               f"hold {old!r} {'at all' if every else 'once'}; check "
+                               "superchip/_inductor/patches.py")
+        source = source.replace(old, new)
     # The decorators (register_lowering) are not run again: the code starts at the def.
     start = source.index("def " + function.__name__)
     offset = first - 1 + source[:start].count("\n")
@@ -255,11 +271,28 @@ def _patch_lowering_device_checks() -> None:
     from torch._inductor.kernel import conv
 
     # Point 13.
-    _rewrite_code(conv.convolution, "device_type = ir.get_device_type(x)",
-                  f"device_type = {_EXECUTOR_TYPE}(ir.get_device_type(x))")
+    _rewrite_code(conv.convolution, ("device_type = ir.get_device_type(x)",
+                                     f"device_type = {_EXECUTOR_TYPE}(ir.get_device_type(x))"))
     # Point 14.
-    _rewrite_code(lowering.cat, 'cpu_device = inputs[0].get_device().type == "cpu"',
-                  f'cpu_device = {_EXECUTOR_TYPE}(inputs[0].get_device().type) == "cpu"')
+    _rewrite_code(lowering.cat, ('cpu_device = inputs[0].get_device().type == "cpu"',
+                                 f'cpu_device = {_EXECUTOR_TYPE}(inputs[0].get_device().type) == "cpu"'))
+
+
+def _patch_heuristics_device_checks() -> None:
+    """Point 20: the heuristics that pick other arithmetic for the CPU answer for the executor."""
+    from torch._inductor import decomposition, lowering
+
+    ex = _EXECUTOR_TYPE
+    since_2_12 = _torch_version() >= (2, 12)  # 2.11 has neither check
+    _rewrite_code(lowering.div_prim, ('a.get_device().type != "cpu"', f'{ex}(a.get_device().type) != "cpu"'))
+    if since_2_12:
+        _rewrite_code(lowering.use_two_step_variance,
+                      ('device.type == "cpu"', f'{ex}(device.type) == "cpu"'))
+    _rewrite_code(decomposition.mm, ("self.device.type", f"{ex}(self.device.type)"), every=True)
+    _rewrite_code(decomposition.bmm, ("self.device.type", f"{ex}(self.device.type)"), every=True)
+    _rewrite_code(decomposition.addmm, ("self.device.type", f"{ex}(self.device.type)"),
+                  *([("mat1.device.type", f"{ex}(mat1.device.type)")] if since_2_12 else []),
+                  every=True)
 
 
 _GUARD_REPR_OLD = "type_repr = repr(val)"
@@ -285,8 +318,8 @@ def patch_guard_repr() -> None:
     method = getattr(guards.GuardBuilder, "id_match_unchecked", None)
     if method is None or _GUARD_REPR_OLD not in inspect.getsource(method):
         return
-    _rewrite_code(method, _GUARD_REPR_OLD,
-                  'type_repr = __import__("superchip._inductor.patches", fromlist=["guard_repr"]).guard_repr(val)')
+    _rewrite_code(method, (_GUARD_REPR_OLD, 'type_repr = __import__("superchip._inductor.patches", '
+                                            'fromlist=["guard_repr"]).guard_repr(val)'))
 
 
 def apply() -> None:
@@ -312,6 +345,7 @@ def apply() -> None:
     _patch_combo_kernel_groups()
     _patch_extern_benchmarks()
     _patch_lowering_device_checks()
+    _patch_heuristics_device_checks()
     _patch_pointwise_device()
     patch_guard_repr()
     if superchip.executor() == "cuda":
