@@ -163,7 +163,8 @@ still compare the device type with a fixed list instead of asking the registrati
    statistics of short rows) take two-step statistics on the CPU and Welford elsewhere
    (``use_two_step_variance``, 2.12 on); a matmul with one row and a tiny ``mm``/``addmm``/
    ``bmm`` becomes a sum of products on the CPU and stays ATen's kernel elsewhere
-   (torch/_inductor/decomposition.py). Superchip with the CPU executor took the other side:
+   (torch/_inductor/decomposition.py). With the CUDA executor the same rewrites give CUDA's
+   side of 2.12's and 2.13's checks for ``"cuda"`` (below). Superchip with the CPU executor took the other side:
    ``x / 3.0`` compiled was 1 ulp off compiled CPU (and eager) for some elements, and the
    demo GPT, compiled and trained, had 191 of its 202 losses, gradients and weights off
    compiled CPU's in the last bits. Each check answers as for the executor; with the CPU
@@ -196,17 +197,19 @@ speed (``is_gpu`` in torch/_inductor/utils.py and compile_fx.py): superchip inpu
 for unaligned (no 16-byte divisibility hints in Triton kernels), max-autotune has no Triton
 GEMM templates, and mix-order reductions and online softmax stay off. Left for a GPU run to
 measure (bench/compile.py against compiled CUDA): assuming alignment needs the runtime check
-that goes with it, and neither can be tried here. Torch 2.13 (not 2.11, the GPU image's) also
-keys a few numerics of its lowerings on ``device.type == "cuda"``: FMA for add-with-alpha,
-``addcmul`` and ``addcdiv``, ``config.align_random_eager``, two-step variance. With the CUDA
-executor on 2.13, compiled superchip graphs may then differ from compiled CUDA's in the last
-bits (the CPU executor answers as the CPU, which is right). The first of them sits in a closure
-made for every pointwise lowering at import, which a code rewrite cannot reach. And the
-``addcmul``/``addcdiv`` lowerings put their result on ``self``'s device, a CPU one for a CPU
-0-dim ``self`` (eager: the other operands'): torch's own bug, for CUDA too; left as is.
+that goes with it, and neither can be tried here. Torch 2.12 and 2.13 (not 2.11, the GPU
+image's) also key a few numerics of their lowerings on ``device.type == "cuda"``: FMA in
+``addcmul`` and ``addcdiv`` (2.12 on) and two-step variance for bf16/fp16 (2.13) answer as for
+the executor with point 20's rewrites (untested: no GPU in CI). Two are left: FMA for
+add-with-alpha (2.13) sits in a closure made for every pointwise lowering at import, which a
+code rewrite cannot reach, and ``config.align_random_eager`` (2.13) would need CUDA's launch
+geometry for superchip's devices; with the CUDA executor on 2.13 those compiled superchip
+graphs may differ from compiled CUDA's in the last bits. And the ``addcmul``/``addcdiv``
+lowerings put their result on ``self``'s device, a CPU one for a CPU 0-dim ``self`` (eager:
+the other operands'): torch's own bug, for CUDA too; left as is.
 
-Tested on torch 2.13 and, with the CPU executor, 2.11; the checked range is the one superchip
-supports (2.11 to 2.13). Outside it, or when a patched name is missing, ``apply()`` raises
+Tested on torch 2.13 and, with the CPU executor, 2.11 and 2.12; the checked range is the one
+superchip supports (2.11 to 2.13). Outside it, or when a patched name is missing, ``apply()`` raises
 instead of guessing.
 """
 
@@ -286,8 +289,11 @@ def _patch_heuristics_device_checks() -> None:
     since_2_12 = _torch_version() >= (2, 12)  # 2.11 has neither check
     _rewrite_code(lowering.div_prim, ('a.get_device().type != "cpu"', f'{ex}(a.get_device().type) != "cpu"'))
     if since_2_12:
-        _rewrite_code(lowering.use_two_step_variance,
-                      ('device.type == "cpu"', f'{ex}(device.type) == "cpu"'))
+        # The CPU's threshold; on 2.13 also CUDA's two-step statistics for bf16/fp16.
+        _rewrite_code(lowering.use_two_step_variance, ("device.type", f"{ex}(device.type)"), every=True)
+        # CUDA's FMA in addcmul and addcdiv (CUDA executor).
+        for function in (lowering.addcmul, lowering.addcdiv):
+            _rewrite_code(function, ('device.type in ["cuda", "xpu"]', f'{ex}(device.type) in ["cuda", "xpu"]'))
     _rewrite_code(decomposition.mm, ("self.device.type", f"{ex}(self.device.type)"), every=True)
     _rewrite_code(decomposition.bmm, ("self.device.type", f"{ex}(self.device.type)"), every=True)
     _rewrite_code(decomposition.addmm, ("self.device.type", f"{ex}(self.device.type)"),
