@@ -163,19 +163,19 @@ still compare the device type with a fixed list instead of asking the registrati
    statistics of short rows) take two-step statistics on the CPU and Welford elsewhere
    (``use_two_step_variance``, 2.12 on); a matmul with one row and a tiny ``mm``/``addmm``/
    ``bmm`` becomes a sum of products on the CPU and stays ATen's kernel elsewhere
-   (torch/_inductor/decomposition.py). With the CUDA executor the same rewrites give CUDA's
-   side of 2.12's and 2.13's checks for ``"cuda"`` (below). Superchip with the CPU executor took the other side:
+   (torch/_inductor/decomposition.py). Superchip with the CPU executor took the other side:
    ``x / 3.0`` compiled was 1 ulp off compiled CPU (and eager) for some elements, and the
    demo GPT, compiled and trained, had 191 of its 202 losses, gradients and weights off
    compiled CPU's in the last bits. Each check answers as for the executor; with the CPU
    executor that GPT training now gives compiled CPU's bits (with
    ``torch.use_deterministic_algorithms(True)``: compiled embedding backward adds rows with
    atomics from several threads, on the CPU as well, so without it rare calls differ in the
-   last bits on either device).
+   last bits on either device). With the CUDA executor the same rewrites give superchip
+   CUDA's side of the checks for ``"cuda"`` that 2.12 and 2.13 add (below).
 
 The rewrites of points 13, 14 and 20 change expressions in a copy of the function's code
 (``_rewrite_code``); where a torch's source lacks one, ``apply()`` raises (point 20 expects
-two of its expressions only from 2.12). Point 15 uses the same rewrite.
+some only from 2.12). Point 15 uses the same rewrite.
 
 The first three answer about the code generator and the fourth picks a heuristic, so for
 superchip they should answer as for its executor (``"cpu"`` or ``"cuda"``); the patches below
