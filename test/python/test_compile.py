@@ -234,9 +234,10 @@ def test_compiled_arithmetic_follows_the_cpus_heuristics():
     # Point 20: Inductor picks other arithmetic for the CPU than for other devices: a division
     # by a constant stays a division (elsewhere: a multiplication by the reciprocal,
     # pytorch#157959), short LayerNorm rows take two-step statistics (elsewhere: Welford), and a
-    # tiny matmul with one row becomes a sum of products (elsewhere: ATen's mm). Superchip with
-    # the CPU executor took the other side: each case differed from compiled CPU in the last
-    # bits, and the matmuls called other kernels.
+    # tiny matmul with one row becomes a sum of products (elsewhere: ATen's mm), and GroupNorm
+    # decomposes to the CPU kernel's per-channel scale and shift. Superchip with the CPU executor
+    # took the other side: each case differed from compiled CPU in the last bits, and the
+    # matmuls called other kernels.
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
@@ -247,6 +248,8 @@ def test_compiled_arithmetic_follows_the_cpus_heuristics():
         "addmm": (torch.addmm, (torch.randn(10), torch.randn(1, 12), torch.randn(12, 10))),
         "mm": (torch.mm, (torch.randn(1, 64), torch.randn(64, 1))),
         "bmm": (torch.bmm, (torch.randn(3, 1, 64), torch.randn(3, 64, 1))),
+        "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b),
+                       (torch.randn(4, 6, 16, 16), torch.randn(6), torch.randn(6))),
     }
     if _torch_minor() < 12:
         del cases["layer_norm"]  # 2.11 picks the same statistics for every device
@@ -298,6 +301,39 @@ def test_compiled_gpt_training_gives_the_compiled_cpu_bits(dynamic):
     finally:
         torch.use_deterministic_algorithms(was)
     assert losses[len(data)] < losses[0], f"the model did not learn: {losses}"
+    differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
+    assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
+
+
+@pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
+def test_compiled_conv_net_training_gives_the_compiled_cpu_bits():
+    # Point 20 for conv nets: Inductor makes a graph with convolutions channels_last on the CPU
+    # (oneDNN's layout); superchip's stayed contiguous, so the convolution's input gradient
+    # took other kernels (4e-9 off), and GroupNorm took the non-CPU decomposition (the loss off
+    # from the first step). Every loss and gradient is now compiled CPU's, bit for bit.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2), torch.nn.GroupNorm(2, 8), torch.nn.GELU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+            for _ in range(3)]
+    runs = {}
+    for device in ("cpu", "superchip"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        fn = torch.compile(model, fullgraph=True)
+        record = []
+        for x, y in data:
+            x = x.clone().to(device).requires_grad_()
+            loss = F.cross_entropy(fn(x), y.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            record += [loss.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in model.parameters()]
+            opt.step()
+        runs[device] = record
     differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
     assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
 

@@ -163,11 +163,15 @@ still compare the device type with a fixed list instead of asking the registrati
    statistics of short rows) take two-step statistics on the CPU and Welford elsewhere
    (``use_two_step_variance``, 2.12 on); a matmul with one row and a tiny ``mm``/``addmm``/
    ``bmm`` becomes a sum of products on the CPU and stays ATen's kernel elsewhere
-   (torch/_inductor/decomposition.py). Superchip with the CPU executor took the other side:
-   ``x / 3.0`` compiled was 1 ulp off compiled CPU (and eager) for some elements, and the
-   demo GPT, compiled and trained (the test's six steps), had 196 of its 202 losses, gradients
-   and weights off compiled CPU's in the last bits, and 194 with dynamic shapes. Each check answers as for the executor; with the CPU
-   executor that GPT training now gives compiled CPU's bits (with
+   (torch/_inductor/decomposition.py); a graph with convolutions goes channels_last on the CPU
+   (oneDNN's layout, ``GraphLowering.decide_layout_opt``); GroupNorm decomposes to the CPU
+   kernel's per-channel scale and shift on the CPU (``torch._refs.native_group_norm``).
+   Superchip with the CPU executor took the other side: ``x / 3.0`` compiled was 1 ulp off
+   compiled CPU (and eager) for some elements; the demo GPT, compiled and trained (the test's
+   six steps), had 196 of its 202 losses, gradients and weights off compiled CPU's in the last
+   bits, and 194 with dynamic shapes; a small conv net (convolutions, BatchNorm, GroupNorm), 34
+   of its 36 losses and gradients. Each check answers as for the executor; with the CPU
+   executor that GPT training and the conv net now give compiled CPU's bits (the GPT with
    ``torch.use_deterministic_algorithms(True)``: compiled embedding backward adds rows with
    atomics from several threads, on the CPU as well, so without it rare calls differ in the
    last bits on either device). With the CUDA executor the same rewrites give superchip
@@ -188,9 +192,13 @@ C++ GEMM template, which superchip lacks: ATen's mm only; a pad lowered as a cat
 arg-reductions index non-contiguous inputs; whether grid sampling expands its grid), and
 superchip takes their non-CPU side, which generates correct code. One more picks arithmetic
 and is left as is because training never reaches it: the lowering of
-``quantize_per_tensor.tensor`` (quantized inference) rounds with an FMA on the CPU only. For
-the example GPT at the demo's size the generated code has the CPU's kernels, extern calls and
-allocations, and the CPU's bits (point 20).
+``quantize_per_tensor.tensor`` (quantized inference) rounds with an FMA on the CPU only.
+torch's decompositions (torch/_decomp) have a few more: bicubic coefficients by the CPU's
+formula (the same bits either way for the grid_sample tried), the saved statistics of batch
+and layer norm (superchip follows CUDA's rule by design, Note [Norm statistics]) and an LSTM
+path for the CPU (superchip runs CUDA's fused cells, as the README says). For the example GPT
+at the demo's size the generated code has the CPU's kernels, extern calls and allocations, and
+the CPU's bits (point 20).
 
 With the CUDA executor, Inductor still takes the non-GPU side of a few checks that only cost
 speed (``is_gpu`` in torch/_inductor/utils.py and compile_fx.py): superchip inputs are taken
@@ -299,6 +307,17 @@ def _patch_heuristics_device_checks() -> None:
     _rewrite_code(decomposition.addmm, ("self.device.type", f"{ex}(self.device.type)"),
                   *([("mat1.device.type", f"{ex}(mat1.device.type)")] if since_2_12 else []),
                   every=True)
+    # Layout optimization: with oneDNN, graphs with convolutions on the CPU go channels_last.
+    from torch._inductor import graph
+
+    _rewrite_code(graph.GraphLowering.decide_layout_opt,
+                  ('n.args[idx].meta["val"].device.type in SUPPORTED_MKLDNN_DEVICES',
+                   f'{ex}(n.args[idx].meta["val"].device.type) in SUPPORTED_MKLDNN_DEVICES'))
+    # GroupNorm's decomposition follows the CPU kernel's formula (a scale and shift per channel)
+    # on the CPU: the kernel eager superchip runs with the CPU executor.
+    from torch import _refs
+
+    _rewrite_code(_refs.native_group_norm, ('input.device.type == "cpu"', f'{ex}(input.device.type) == "cpu"'))
 
 
 _GUARD_REPR_OLD = "type_repr = repr(val)"
