@@ -458,6 +458,46 @@ def test_llama_trains_like_eager(optimizer):
     assert_trains_like_eager(tiny_llama, optimizer, 128, llama_loss)
 
 
+def test_hf_moe_model_compiles_and_trains_as_compiled_cpu():
+    # transformers' default experts (grouped_mm) count tokens per expert with an integer histc
+    # on any device but the CPU. Superchip counts integers (Note [Integer histc]), but the fake
+    # rule of histc, answering for the CPU executor, refused them: compiling HF Mixtral (and
+    # every MoE model with those experts) failed ("histogram_cpu" not implemented for
+    # 'torch.int32'). With the CPU executor the steps give compiled CPU's bits (deterministic
+    # algorithms: see the GPT test above).
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    base = MixtralForCausalLM(MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    data = [torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    runs = {}
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for device in ("cpu", "superchip"):
+            torch._dynamo.reset()
+            model = copy.deepcopy(base).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            fn = torch.compile(model)
+            record = []
+            for ids in data:
+                ids = ids.to(device)
+                loss = fn(input_ids=ids, labels=ids).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                record += [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
+                opt.step()
+            runs[device] = record
+    finally:
+        torch.use_deterministic_algorithms(was)
+    if superchip.executor() != "cpu":
+        return  # compiled without error; the bits are the CUDA kernels'
+    differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
+    assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
+
+
 @pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
 def test_autocast_llama_step_gives_the_compiled_cpu_bits():
     # Inductor's realization thresholds are picked by ir.is_cpu(); superchip with the CPU

@@ -79,7 +79,11 @@ still compare the device type with a fixed list instead of asking the registrati
    answered ``"superchip"`` and the rule took the non-CPU side where the executor's kernel is
    the CPU's: ``nonzero_static`` predicted column-major strides, ``pixel_shuffle`` of a
    channels_last input a contiguous result, ``_embedding_bag`` an empty ``bag_size``, and
-   compiled ``nonzero_static`` failed its stride check. It answers the executor's type. This
+   compiled ``nonzero_static`` failed its stride check. It answers the executor's type, except
+   in ``histc``'s rule: superchip counts integers with either executor (Note [Integer histc]),
+   where the CPU's kernel refuses them, and the executor's answer made compiling every
+   transformers MoE model (its experts count tokens with an integer ``histc`` on any device
+   but the CPU) fail ("histogram_cpu" not implemented for 'torch.int32'). This
    and points 5, 6 and 12 are rules torch uses outside compile too (``torch.export``, ``make_fx``,
    DTensor's propagation): ``apply_fake_rules()`` applies them at ``import superchip``.
 11. Dynamo's device interfaces are read once (``get_registered_device_interfaces()``, for its
@@ -416,6 +420,11 @@ def _patch_meta_device_hint() -> None:
 
     device_hint.__wrapped__ = original  # type: ignore[attr-defined]
     meta.device_hint = device_hint
+    # histc counts integers on superchip with either executor (Note [Integer histc]), where the
+    # CPU's kernel refuses them: its rule checks the CPU's dtypes for the CPU only (the
+    # device type before the answer above; a fake tensor's device reads "meta" in its rule).
+    _rewrite_code(meta.meta_histc, ('if device_hint(input) == "cpu":',
+                                    'if device_hint(input) == "cpu" and device_hint.__wrapped__(input) == "cpu":'))
 
 
 def _patch_dropout_tracing() -> None:
