@@ -294,11 +294,12 @@ def _patch_lowering_device_checks() -> None:
 
 
 def _patch_heuristics_device_checks() -> None:
-    """Point 20: the heuristics that pick other arithmetic for the CPU answer for the executor."""
+    """Point 20: the heuristics that pick other arithmetic or layout for the CPU answer for the
+    executor."""
     from torch._inductor import decomposition, lowering
 
     ex = _EXECUTOR_TYPE
-    since_2_12 = _torch_version() >= (2, 12)  # 2.11 has neither check
+    since_2_12 = _torch_version() >= (2, 12)  # 2.11 lacks the checks under it
     _rewrite_code(lowering.div_prim, ('a.get_device().type != "cpu"', f'{ex}(a.get_device().type) != "cpu"'))
     if since_2_12:
         # The CPU's threshold; on 2.13 also CUDA's two-step statistics for bf16/fp16.
