@@ -229,6 +229,44 @@ def test_compiled_conv_bias_and_cat_take_the_cpu_lowerings():
         assert kernels[0] == kernels[1] and kernels[0], kernels
 
 
+def train_compiled_on_cpu_and_superchip(base, steps: int, step, make_opt, *, deterministic: bool,
+                                        **compile_kwargs) -> dict[str, tuple[list, list]]:
+    """Trains a copy of ``base`` compiled on the CPU and one on superchip for ``steps`` steps.
+    ``step(fn, device, i)`` runs the compiled model ``fn`` on batch ``i`` and returns the loss,
+    or the loss and inputs whose gradients to record too. Returns, per device, the record (each
+    step's loss and gradients, then the final weights) and the losses as floats.
+    ``deterministic``: under ``torch.use_deterministic_algorithms(True)``, which compiled
+    embedding backward needs for repeatable bits (see the GPT test)."""
+    runs = {}
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for device in ("cpu", "superchip"):
+            torch._dynamo.reset()
+            model = copy.deepcopy(base).to(device)
+            opt = make_opt(model.parameters())
+            fn = torch.compile(model, **compile_kwargs)
+            record, losses = [], []
+            for i in range(steps):
+                loss, inputs = (lambda out: out if isinstance(out, tuple) else (out, []))(step(fn, device, i))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                losses.append(loss.item())
+                record += [loss.detach().cpu()] + [t.grad.cpu() for t in inputs]
+                record += [p.grad.cpu() for p in model.parameters() if p.grad is not None]
+                opt.step()
+            runs[device] = (record + [p.detach().cpu() for p in model.parameters()], losses)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    return runs
+
+
+def assert_compiled_cpu_bits(runs) -> None:
+    cpu, ours = runs["cpu"][0], runs["superchip"][0]
+    differing = [i for i, (a, b) in enumerate(zip(cpu, ours)) if not torch.equal(a, b)]
+    assert not differing, f"{len(differing)} of {len(cpu)} tensors differ from compiled CPU's"
+
+
 @pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
 def test_compiled_arithmetic_follows_the_cpus_heuristics():
     # Point 20: Inductor picks other arithmetic for the CPU than for other devices: a division
@@ -275,34 +313,20 @@ def test_compiled_gpt_training_gives_the_compiled_cpu_bits(dynamic):
     # adds from several threads (on the CPU as well: about 1 call in 1,000 differed in its last
     # bits at this size); in that mode Inductor calls ATen's index_put_ instead.
     torch.manual_seed(0)
-    base = tiny_gpt()
     lengths = (9, 13, 17) if dynamic else (17, 17, 17)
     data = [torch.randint(0, 65, (2, n), generator=torch.Generator().manual_seed(n + i))
-            for i, n in enumerate(lengths)]
-    runs = {}
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        for device in ("cpu", "superchip"):
-            torch._dynamo.reset()
-            model = copy.deepcopy(base).to(device)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-            fn = torch.compile(model, fullgraph=True, dynamic=dynamic)
-            record, losses = [], []
-            for seq in data * 2:
-                seq = seq.to(device)
-                loss = gpt_loss(fn, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                losses.append(loss.item())
-                record += [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
-                opt.step()
-            runs[device] = record + [p.detach().cpu() for p in model.parameters()]
-    finally:
-        torch.use_deterministic_algorithms(was)
-    assert losses[len(data)] < losses[0], f"the model did not learn: {losses}"
-    differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
-    assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
+            for i, n in enumerate(lengths)] * 2
+
+    def step(fn, device, i):
+        seq = data[i].to(device)
+        return gpt_loss(fn, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+
+    runs = train_compiled_on_cpu_and_superchip(
+        tiny_gpt(), len(data), step, lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False),
+        deterministic=True, fullgraph=True, dynamic=dynamic)
+    losses = runs["superchip"][1]
+    assert losses[3] < losses[0], f"the model did not learn: {losses}"
+    assert_compiled_cpu_bits(runs)
 
 
 @pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
@@ -319,23 +343,14 @@ def test_compiled_conv_net_training_gives_the_compiled_cpu_bits():
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen))
             for _ in range(3)]
-    runs = {}
-    for device in ("cpu", "superchip"):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-        fn = torch.compile(model, fullgraph=True)
-        record = []
-        for x, y in data:
-            x = x.clone().to(device).requires_grad_()
-            loss = F.cross_entropy(fn(x), y.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            record += [loss.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in model.parameters()]
-            opt.step()
-        runs[device] = record
-    differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
-    assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
+
+    def step(fn, device, i):
+        x = data[i][0].clone().to(device).requires_grad_()
+        return F.cross_entropy(fn(x), data[i][1].to(device)), [x]
+
+    assert_compiled_cpu_bits(train_compiled_on_cpu_and_superchip(
+        base, len(data), step, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False),
+        deterministic=False, fullgraph=True))
 
 
 def test_rng_state_ops_trace_with_make_fx():
@@ -472,30 +487,16 @@ def test_hf_moe_model_compiles_and_trains_as_compiled_cpu():
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
     data = [torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    runs = {}
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        for device in ("cpu", "superchip"):
-            torch._dynamo.reset()
-            model = copy.deepcopy(base).to(device)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-            fn = torch.compile(model)
-            record = []
-            for ids in data:
-                ids = ids.to(device)
-                loss = fn(input_ids=ids, labels=ids).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                record += [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
-                opt.step()
-            runs[device] = record
-    finally:
-        torch.use_deterministic_algorithms(was)
-    if superchip.executor() != "cpu":
-        return  # compiled without error; the bits are the CUDA kernels'
-    differing = [i for i, (a, b) in enumerate(zip(runs["cpu"], runs["superchip"])) if not torch.equal(a, b)]
-    assert not differing, f"{len(differing)} of {len(runs['cpu'])} tensors differ from compiled CPU's"
+
+    def step(fn, device, i):
+        ids = data[i].to(device)
+        return fn(input_ids=ids, labels=ids).loss
+
+    runs = train_compiled_on_cpu_and_superchip(
+        base, len(data), step, lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+        deterministic=True)
+    if superchip.executor() == "cpu":  # with the CUDA executor: compiled; the bits are CUDA's kernels'
+        assert_compiled_cpu_bits(runs)
 
 
 @pytest.mark.skipif(superchip.executor() != "cpu", reason="compares with compiled plain-CPU kernels")
