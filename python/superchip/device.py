@@ -176,6 +176,35 @@ def mem_get_info(device=None) -> tuple:
     return torch.accelerator.get_memory_info(_device_of(device))
 
 
+def _placement_room(device=None) -> int:
+    """Bytes a placement on the device can still take in both tiers (what ``.to("superchip")``
+    fills before it fails): each tier's budget less what it has allocated (its cache is given
+    back on demand), a tier without a budget what the machine can still give (Note [The
+    machine's memory]); the GPU's free memory for an hbm without one. Emulated, both tiers
+    are the machine's memory, so their sum is bounded by it. Read by accelerate's automatic
+    device maps (Note [device_map="auto" on superchip] in _accelerate.py)."""
+    idx = _index(device)
+    idx = current_device() if idx < 0 else idx
+    stats = _C._memory_stats(idx)
+    figures = _C._host_memory_figures()
+    if figures is None:  # the kernel's figures cannot be read: what sysconf says is free
+        import os
+
+        machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        machine = max(0, figures["headroom"] - figures["reserve"] - figures["unwritten"])
+
+    def room(tier: str, unbounded: int) -> int:
+        cap = stats[f"{tier}.capacity_bytes"]
+        return max(0, cap - stats[f"{tier}.allocated_bytes"]) if cap else unbounded
+
+    host = min(room("host", machine), machine)
+    if _C._executor() == "cuda":
+        gpu_free, _ = torch.accelerator.get_memory_info(_device_of(idx))
+        return room("hbm", gpu_free) + host
+    return min(room("hbm", machine) + host, machine)
+
+
 class _DeviceProperties:
     """What ``get_device_properties`` gives: ``name``, ``total_memory`` (the ``hbm`` budget,
     or the device's memory without one), ``host_memory`` (the ``host`` budget, 0 = none),

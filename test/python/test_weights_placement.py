@@ -193,6 +193,42 @@ def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
     assert r["big_tier"] == "host", r
 
 
+@pytest.mark.parametrize("first", ["superchip", "accelerate"], ids=["superchip-first", "accelerate-first"])
+def test_device_map_auto_puts_a_model_larger_than_hbm_on_superchip_whole(tmp_path, first):
+    # Note [device_map="auto" on superchip] (python/superchip/_accelerate.py): accelerate sized
+    # the device by hbm's free bytes and mapped the other layers to its CPU offload, where they
+    # stayed meta tensors: training ran and updated only the layers on the device.
+    code = ("import accelerate.utils\n" if first == "accelerate" else "") + _MODEL + textwrap.dedent(f"""
+        from accelerate.utils import get_max_memory
+        from transformers import AutoModelForCausalLM
+        ref = llama()
+        ref.save_pretrained({str(tmp_path)!r})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, device_map="auto", dtype=torch.float32)
+        devices = sorted({{p.device.type for p in model.parameters()}})
+        n_host = sum(p.device.type == "superchip" and superchip.tier_of(p) == "host" for p in model.parameters())
+        batches = [(torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+        losses = train_pair(ref, model, batches, lambda m, x: m(input_ids=x, labels=x).loss)
+        s = superchip.memory_stats()
+        # With a host budget too, accelerate's figure for the device is both tiers' room.
+        superchip.set_capacity("host", 64 << 20)
+        t = superchip.memory_stats()
+        room = (t["hbm.capacity_bytes"] - t["hbm.allocated_bytes"]) + (t["host.capacity_bytes"] - t["host.allocated_bytes"])
+        print(json.dumps(dict(devices=devices, n_host=n_host, same=same_params(ref, model),
+                              losses=all(a == b for a, b in losses), peak=s["hbm.peak_allocated_bytes"],
+                              budget=s["hbm.capacity_bytes"], param_bytes=param_bytes(ref),
+                              accelerate=get_max_memory()[0], room=room)))
+    """)
+    env = dict(os.environ, SUPERCHIP_HBM_BYTES="1M", SUPERCHIP_EXECUTOR="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["param_bytes"] >= 2 * out["budget"], out
+    assert out["devices"] == ["superchip"] and out["n_host"] > 0, out
+    assert out["same"] and out["losses"] and out["peak"] <= out["budget"], out
+    # (accelerate allocates a 0-dim tensor on the device before it asks.)
+    assert out["room"] - 4096 <= out["accelerate"] <= out["room"], out
+
+
 _STREAM = """
     import copy
     def train(model, opt, steps, seed=1):

@@ -103,54 +103,12 @@ def _patch_guards() -> None:
     patches.patch_guard_repr()
 
 
-# What runs right after a Dynamo module is first executed, and what its failure means.
-_AFTER_IMPORT = {
+def register_interface_when_dynamo_loads() -> None:
+    from .._after_import import after_import
+
     # Point 11: before Dynamo reads its registry (it builds its handlers of
     # ``torch.<device>.stream`` once, at its first trace).
-    "torch._dynamo.device_interface": (_register_interface, "Dynamo's device interface could not be registered"),
+    after_import("torch._dynamo.device_interface", _register_interface,
+                 "Dynamo's device interface could not be registered")
     # Point 15: before the first guard is built, whatever the backend.
-    "torch._dynamo.guards": (_patch_guards, "Dynamo's guard descriptions could not be patched"),
-}
-
-
-class _AfterDynamoImports:
-    """A one-shot import hook per module of ``_AFTER_IMPORT``: runs the module as usual, then
-    its action. Removes itself once every module was seen."""
-
-    def __init__(self) -> None:
-        self.pending = set(_AFTER_IMPORT)
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
-            return None
-        import importlib.machinery
-        import sys
-
-        self.pending.discard(fullname)
-        if not self.pending and self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec  # not a plain module: done with Inductor's registration instead
-        execute = loader.exec_module
-        action, failure = _AFTER_IMPORT[fullname]
-
-        def exec_module(module):
-            execute(module)
-            try:
-                action()
-            except Exception as e:  # never break Dynamo's import; compile does it again
-                import warnings
-
-                warnings.warn(f"superchip: {failure}: {e}", stacklevel=2)
-
-        loader.exec_module = exec_module
-        return spec
-
-
-def register_interface_when_dynamo_loads() -> None:
-    import sys
-
-    if not any(isinstance(f, _AfterDynamoImports) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDynamoImports())
+    after_import("torch._dynamo.guards", _patch_guards, "Dynamo's guard descriptions could not be patched")
