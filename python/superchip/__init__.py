@@ -214,9 +214,9 @@ _os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 # accelerate's device_map="auto" maps a model larger than hbm whole onto superchip (its host
 # tier), not partly onto accelerate's CPU offload (Note [device_map="auto" on superchip]).
-from . import _accelerate  # noqa: E402
+from . import _huggingface  # noqa: E402
 
-_accelerate.install()
+_huggingface.install()
 
 __all__ = [
     "memory_stats",

@@ -182,7 +182,7 @@ def _placement_room(device=None) -> int:
     back on demand), a tier without a budget what the machine can still give (Note [The
     machine's memory]); the GPU's free memory for an hbm without one. Emulated, both tiers
     are the machine's memory, so their sum is bounded by it. Read by accelerate's automatic
-    device maps (Note [device_map="auto" on superchip] in _accelerate.py)."""
+    device maps (Note [device_map="auto" on superchip] in _huggingface.py)."""
     idx = _index(device)
     idx = current_device() if idx < 0 else idx
     stats = _C._memory_stats(idx)

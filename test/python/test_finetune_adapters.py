@@ -11,13 +11,15 @@ Needs `peft` and `torchao` (scripts/setup.sh installs both).
 from __future__ import annotations
 
 import copy
+import json
+import textwrap
 
 import pytest
 import torch
 
 import superchip
 
-from helpers import DEVICE, assert_matches_cpu
+from helpers import DEVICE, assert_matches_cpu, run_python
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -120,3 +122,29 @@ def test_from_pretrained_onto_superchip_like_cpu(tmp_path, how):
     got = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE))
     assert_matches_cpu(got.logits.detach().cpu(), want.logits.detach())
     assert_matches_cpu(got.loss.detach().cpu(), want.loss.detach())
+
+
+def test_trainer_device_follows_accelerate_torch_device_where_cuda_is_available():
+    # Note [Trainer's device with the CUDA executor] (superchip/_huggingface.py): transformers
+    # picks a single process's device as "cuda:0" whenever torch.cuda is available, before it
+    # reads ACCELERATE_TORCH_DEVICE, so with the CUDA executor Trainer moved the model to plain
+    # CUDA and counted every GPU in n_gpu (nn.DataParallel). Checked here with torch.cuda saying
+    # two GPUs are available; transformers is imported before superchip, as a script may.
+    r = run_python(textwrap.dedent("""
+        import json, os, torch
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 2
+        torch.cuda.set_device = lambda device: None
+        from transformers import TrainingArguments
+        import superchip
+        def device(**kw):
+            a = TrainingArguments(output_dir="out", report_to=[], **kw)
+            return [str(a.device), a.n_gpu]
+        out = dict(plain=device())
+        os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
+        out.update(superchip=device(), use_cpu=device(use_cpu=True))
+        print(json.dumps(out))
+    """), env={"SUPERCHIP_EXECUTOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"plain": ["cuda:0", 2], "superchip": ["superchip:0", 1], "use_cpu": ["cpu", 0]}, out

@@ -195,7 +195,7 @@ def test_large_tensors_load_and_tied_weights_are_placed_once(tmp_path):
 
 @pytest.mark.parametrize("first", ["superchip", "accelerate"], ids=["superchip-first", "accelerate-first"])
 def test_device_map_auto_puts_a_model_larger_than_hbm_on_superchip_whole(tmp_path, first):
-    # Note [device_map="auto" on superchip] (python/superchip/_accelerate.py): accelerate sized
+    # Note [device_map="auto" on superchip] (python/superchip/_huggingface.py): accelerate sized
     # the device by hbm's free bytes and mapped the other layers to its CPU offload, where they
     # stayed meta tensors: training ran and updated only the layers on the device.
     code = ("import accelerate.utils\n" if first == "accelerate" else "") + _MODEL + textwrap.dedent(f"""

@@ -1,8 +1,11 @@
-"""Accelerate's automatic device maps place a model on superchip whole.
+"""Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
+place a model on superchip whole, and ``Trainer`` trains where ``ACCELERATE_TORCH_DEVICE`` says.
 
 Contract
 --------
-- With superchip imported (before or after accelerate), accelerate's ``get_max_memory``
+Both hold whether superchip is imported before or after accelerate and transformers.
+
+- Accelerate's ``get_max_memory``
   (what ``from_pretrained(..., device_map="auto" | "balanced" | "sequential")``,
   ``infer_auto_device_map`` and ``dispatch_model`` read when no ``max_memory`` is given) counts
   for each superchip device what a placement there can still take in both tiers
@@ -13,6 +16,10 @@ Contract
 - ``max_memory`` given by the user is taken as given (accelerate reads nothing then).
 - Other devices, and accelerate without ``utils.modeling.get_accelerator_free_memory`` (it
   came with accelerate 1.16; the set-up installs 1.16), are left as accelerate has them.
+- ``TrainingArguments.device`` is the superchip device ``ACCELERATE_TORCH_DEVICE`` names
+  (``"superchip"``: the current one) whenever that variable names one, the process is not
+  distributed and ``use_cpu`` is off, with ``n_gpu`` 1, on either executor (Note [Trainer's
+  device with the CUDA executor]). Without the variable, transformers' choice stands.
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -28,6 +35,18 @@ copy out of meta tensor"). Making ``get_memory_info`` report both tiers would fi
 and break its meaning everywhere else (batch and cache sizing read it as GPU memory, as on
 CUDA; ``memory_allocated`` reports hbm), so the device's own figure stays hbm's, and only
 accelerate's question "how much can this device hold" gets superchip's answer.
+
+Note [Trainer's device with the CUDA executor]
+transformers' ``TrainingArguments`` picks the device of a single-process run itself, and
+ignores accelerate's: its last case is ``"cuda:0" if torch.cuda.is_available() else
+ACCELERATE_TORCH_DEVICE``. With the CPU executor that reads the variable the README tells
+Trainer users to set; with the CUDA executor torch.cuda is available, so ``Trainer`` moved the
+model to plain ``cuda:0`` (a model larger than the GPU then fails there, and
+``superchip.optim`` is handed CUDA parameters), and ``n_gpu`` counted the GPUs, so a machine
+with several wrapped the model in ``nn.DataParallel``. Found by reading transformers 5.25 and
+checked with ``torch.cuda.is_available`` patched to say yes (no GPU here). The variable naming
+superchip now wins over CUDA, as it does over the CPU; one process trains on one device, as
+with the CPU executor.
 """
 
 from __future__ import annotations
@@ -59,9 +78,43 @@ def _patch_free_memory() -> None:
     modeling.get_accelerator_free_memory = get_accelerator_free_memory
 
 
+def _patch_training_device() -> None:
+    import os
+    from functools import cached_property
+
+    from transformers.training_args import TrainingArguments
+
+    prop = TrainingArguments.__dict__.get("_setup_devices")
+    if not isinstance(prop, cached_property) or getattr(prop.func, "_superchip", False):
+        return
+    original = prop.func
+
+    def _setup_devices(self) -> torch.device:
+        device = original(self)
+        wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "")
+        if device.type != "cuda" or not wanted.startswith("superchip"):
+            return device  # use_cpu, ACCELERATE_USE_CPU, the CPU executor's own fallback
+        from accelerate.utils import DistributedType
+
+        if getattr(self.distributed_state, "distributed_type", None) != DistributedType.NO:
+            return device
+        from .device import _device_of
+
+        self._n_gpu = 1
+        return _device_of(wanted)
+
+    _setup_devices._superchip = True
+    _setup_devices.__wrapped__ = original
+    patched = cached_property(_setup_devices)
+    patched.__set_name__(TrainingArguments, "_setup_devices")
+    TrainingArguments._setup_devices = patched
+
+
 def install() -> None:
-    """Patches accelerate now if it is loaded, else right after it loads."""
+    """Patches accelerate and transformers now if they are loaded, else right after they load."""
     from ._after_import import after_import
 
     after_import("accelerate.utils.modeling", _patch_free_memory,
                  "accelerate's device maps could not be given superchip's memory")
+    after_import("transformers.training_args", _patch_training_device,
+                 "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
