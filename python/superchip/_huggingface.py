@@ -20,6 +20,9 @@ Both hold whether superchip is imported before or after accelerate and transform
   (``"superchip"``: the current one) whenever that variable names one, the process is not
   distributed and ``use_cpu`` is off, with ``n_gpu`` 1, on either executor (Note [Trainer's
   device with the CUDA executor]). Without the variable, transformers' choice stands.
+- With that variable, ``TrainingArguments.device`` in one of several processes (``WORLD_SIZE``
+  above 1, as torchrun sets) raises a RuntimeError saying what to use instead (Note [Trainer
+  under torchrun]).
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -47,6 +50,17 @@ with several wrapped the model in ``nn.DataParallel``. Found by reading transfor
 checked with ``torch.cuda.is_available`` patched to say yes (no GPU here). The variable naming
 superchip now wins over CUDA, as it does over the CPU; one process trains on one device, as
 with the CPU executor.
+Note [Trainer under torchrun]
+accelerate (1.16) knows a fixed list of device types it can run distributed (its
+``DistributedType`` and ``TORCH_DISTRIBUTED_BACKENDS``); superchip is not among them, and no
+entry can be added from outside (an enum). Launched by torchrun with
+``ACCELERATE_TORCH_DEVICE=superchip``, ``Trainer`` therefore ran each process as a single one:
+measured with two processes (CPU executor), each trained on the whole dataset on its own and
+both ended with the same weights, so N processes did the work of one, silently (and with the
+CUDA executor every process would have taken superchip:0). Support would mean re-routing
+accelerate's distributed set-up, data sharding and DDP wrapping for a device it does not know;
+until then ``TrainingArguments.device`` refuses, with what to do, before accelerate makes a
+process group. torch.distributed itself (DDP, FSDP2) runs on superchip.
 """
 
 from __future__ import annotations
@@ -78,6 +92,25 @@ def _patch_free_memory() -> None:
     modeling.get_accelerator_free_memory = get_accelerator_free_memory
 
 
+def _refuse_processes_trainer_would_not_join() -> None:
+    """Note [Trainer under torchrun]: raises before accelerate's process group is made (which
+    would wait for every rank) where the processes would each train alone."""
+    import os
+
+    from accelerate.utils.constants import TORCH_DISTRIBUTED_BACKENDS
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or os.environ.get("LOCAL_RANK") is None or "superchip" in TORCH_DISTRIBUTED_BACKENDS:
+        return
+    raise RuntimeError(
+        f"superchip: transformers' Trainer cannot train on superchip in {world} processes: "
+        "accelerate has no distributed mode for the superchip device (its distributed device "
+        "types are a fixed list), so each process would train alone, on all of the data, "
+        "without averaging gradients. Run one process (python train.py), or train with "
+        "torch.distributed directly: DistributedDataParallel or FSDP2 (fully_shard) on "
+        "superchip (README, 'Multi-GPU and multi-node'; examples/ddp_fsdp.py).")
+
+
 def _patch_training_device() -> None:
     import os
     from functools import cached_property
@@ -90,8 +123,10 @@ def _patch_training_device() -> None:
     original = prop.func
 
     def _setup_devices(self) -> torch.device:
-        device = original(self)
         wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "")
+        if wanted.startswith("superchip") and not self.use_cpu:
+            _refuse_processes_trainer_would_not_join()
+        device = original(self)
         if device.type != "cuda" or not wanted.startswith("superchip"):
             return device  # use_cpu, ACCELERATE_USE_CPU, the CPU executor's own fallback
         from accelerate.utils import DistributedType

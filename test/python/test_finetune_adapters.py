@@ -124,7 +124,7 @@ def test_from_pretrained_onto_superchip_like_cpu(tmp_path, how):
     assert_matches_cpu(got.loss.detach().cpu(), want.loss.detach())
 
 
-def test_trainer_device_follows_accelerate_torch_device_where_cuda_is_available():
+def test_trainer_device_follows_accelerate_torch_device_and_refuses_torchrun():
     # Note [Trainer's device with the CUDA executor] (superchip/_huggingface.py): transformers
     # picks a single process's device as "cuda:0" whenever torch.cuda is available, before it
     # reads ACCELERATE_TORCH_DEVICE, so with the CUDA executor Trainer moved the model to plain
@@ -143,8 +143,17 @@ def test_trainer_device_follows_accelerate_torch_device_where_cuda_is_available(
         out = dict(plain=device())
         os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
         out.update(superchip=device(), use_cpu=device(use_cpu=True))
+        # One of two processes torchrun started (Note [Trainer under torchrun]): refused before
+        # accelerate makes a process group, which would wait for the other rank.
+        os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0", RANK="0")
+        try:
+            out["torchrun"] = device()
+        except RuntimeError as e:
+            out["torchrun"] = str(e)
         print(json.dumps(out))
     """), env={"SUPERCHIP_EXECUTOR": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
+    refused = out.pop("torchrun")
     assert out == {"plain": ["cuda:0", 2], "superchip": ["superchip:0", 1], "use_cpu": ["cpu", 0]}, out
+    assert "cannot train on superchip in 2 processes" in refused and "fully_shard" in refused, refused
