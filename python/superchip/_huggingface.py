@@ -1,9 +1,10 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
-place a model on superchip whole, and ``Trainer`` trains where ``ACCELERATE_TORCH_DEVICE`` says.
+place a model on superchip whole, ``Trainer`` trains where ``ACCELERATE_TORCH_DEVICE`` says, and
+accelerate refuses to run superchip processes apart under torchrun.
 
 Contract
 --------
-Both hold whether superchip is imported before or after accelerate and transformers.
+Each holds whether superchip is imported before or after accelerate and transformers.
 
 - Accelerate's ``get_max_memory``
   (what ``from_pretrained(..., device_map="auto" | "balanced" | "sequential")``,
@@ -20,9 +21,12 @@ Both hold whether superchip is imported before or after accelerate and transform
   (``"superchip"``: the current one) whenever that variable names one, the process is not
   distributed and ``use_cpu`` is off, with ``n_gpu`` 1, on either executor (Note [Trainer's
   device with the CUDA executor]). Without the variable, transformers' choice stands.
-- With that variable, ``TrainingArguments.device`` in one of several processes (``WORLD_SIZE``
-  above 1, as torchrun sets) raises a RuntimeError saying what to use instead (Note [Trainer
-  under torchrun]).
+- accelerate's ``PartialState`` (made by ``Accelerator()`` and by ``TrainingArguments.device``)
+  raises a RuntimeError saying what to use instead when superchip is the accelerator, the
+  process is one of several (``WORLD_SIZE`` above 1 and ``LOCAL_RANK`` set, as torchrun sets
+  them), no process group exists yet and ``cpu`` is off; it raises before it makes a process
+  group, and leaves no state behind (Note [Trainer under torchrun]). A script that made its
+  own process group (and wraps DDP itself) is left alone.
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -50,6 +54,7 @@ with several wrapped the model in ``nn.DataParallel``. Found by reading transfor
 checked with ``torch.cuda.is_available`` patched to say yes (no GPU here). The variable naming
 superchip now wins over CUDA, as it does over the CPU; one process trains on one device, as
 with the CPU executor.
+
 Note [Trainer under torchrun]
 accelerate (1.16) knows a fixed list of device types it can run distributed (its
 ``DistributedType`` and ``TORCH_DISTRIBUTED_BACKENDS``); superchip is not among them, and no
@@ -59,8 +64,11 @@ measured with two processes (CPU executor), each trained on the whole dataset on
 both ended with the same weights, so N processes did the work of one, silently (and with the
 CUDA executor every process would have taken superchip:0). Support would mean re-routing
 accelerate's distributed set-up, data sharding and DDP wrapping for a device it does not know;
-until then ``TrainingArguments.device`` refuses, with what to do, before accelerate makes a
-process group. torch.distributed itself (DDP, FSDP2) runs on superchip.
+until then accelerate's state refuses, with what to do, before it makes a process group (it
+would wait for every rank). A bare ``Accelerator()`` under torchrun is the same loop without
+``Trainer`` and is refused too, unless the script made its process group itself: then it
+distributes the work on its own and accelerate's single-process mode is what it asked for.
+torch.distributed itself (DDP, FSDP2) runs on superchip.
 """
 
 from __future__ import annotations
@@ -92,23 +100,36 @@ def _patch_free_memory() -> None:
     modeling.get_accelerator_free_memory = get_accelerator_free_memory
 
 
-def _refuse_processes_trainer_would_not_join() -> None:
-    """Note [Trainer under torchrun]: raises before accelerate's process group is made (which
-    would wait for every rank) where the processes would each train alone."""
+def _patch_distributed_check() -> None:
     import os
 
-    from accelerate.utils.constants import TORCH_DISTRIBUTED_BACKENDS
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
 
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1 or os.environ.get("LOCAL_RANK") is None or "superchip" in TORCH_DISTRIBUTED_BACKENDS:
+    original = PartialState.__dict__.get("_prepare_backend")
+    if original is None or getattr(original, "_superchip", False):
         return
-    raise RuntimeError(
-        f"superchip: transformers' Trainer cannot train on superchip in {world} processes: "
-        "accelerate has no distributed mode for the superchip device (its distributed device "
-        "types are a fixed list), so each process would train alone, on all of the data, "
-        "without averaging gradients. Run one process (python train.py), or train with "
-        "torch.distributed directly: DistributedDataParallel or FSDP2 (fully_shard) on "
-        "superchip (README, 'Multi-GPU and multi-node'; examples/ddp_fsdp.py).")
+
+    def _prepare_backend(self, cpu: bool = False, *args, **kwargs):
+        backend, distributed_type = original(self, cpu, *args, **kwargs)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if (distributed_type == DistributedType.NO and not cpu and world > 1
+                and os.environ.get("LOCAL_RANK") is not None and _superchip_accelerator()
+                and not torch.distributed.is_initialized()):
+            PartialState._reset_state()  # nothing half-made for the next PartialState()
+            raise RuntimeError(
+                f"superchip: accelerate cannot train on superchip in {world} processes: it has no "
+                "distributed mode for the superchip device (its distributed device types are a "
+                "fixed list), so each process (Trainer's, or an Accelerator's) would train alone, "
+                "on all of the data, without averaging gradients. Run one process (python "
+                "train.py), or train with torch.distributed directly: DistributedDataParallel or "
+                "FSDP2 (fully_shard) on superchip (README, 'Multi-GPU and multi-node'; "
+                "examples/ddp_fsdp.py).")
+        return backend, distributed_type
+
+    _prepare_backend._superchip = True
+    _prepare_backend.__wrapped__ = original
+    PartialState._prepare_backend = _prepare_backend
 
 
 def _patch_training_device() -> None:
@@ -123,10 +144,8 @@ def _patch_training_device() -> None:
     original = prop.func
 
     def _setup_devices(self) -> torch.device:
-        wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "")
-        if wanted.startswith("superchip") and not self.use_cpu:
-            _refuse_processes_trainer_would_not_join()
         device = original(self)
+        wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "")
         if device.type != "cuda" or not wanted.startswith("superchip"):
             return device  # use_cpu, ACCELERATE_USE_CPU, the CPU executor's own fallback
         from accelerate.utils import DistributedType
@@ -151,5 +170,7 @@ def install() -> None:
 
     after_import("accelerate.utils.modeling", _patch_free_memory,
                  "accelerate's device maps could not be given superchip's memory")
+    after_import("accelerate.state", _patch_distributed_check,
+                 "accelerate could not be kept from running superchip processes apart")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")

@@ -143,17 +143,29 @@ def test_trainer_device_follows_accelerate_torch_device_and_refuses_torchrun():
         out = dict(plain=device())
         os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
         out.update(superchip=device(), use_cpu=device(use_cpu=True))
-        # One of two processes torchrun started (Note [Trainer under torchrun]): refused before
-        # accelerate makes a process group, which would wait for the other rank.
+        # One of two processes torchrun started (Note [Trainer under torchrun]): Trainer's and a
+        # bare Accelerator's state are refused before accelerate makes a process group (which
+        # would wait for the other rank), and nothing of them is left.
         os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0", RANK="0")
-        try:
-            out["torchrun"] = device()
-        except RuntimeError as e:
-            out["torchrun"] = str(e)
-        print(json.dumps(out))
+        from accelerate import Accelerator
+        from accelerate.state import PartialState
+        for name, make in (("torchrun", device), ("accelerator", Accelerator)):
+            try:
+                make()
+                out[name] = "ran"
+            except RuntimeError as e:
+                out[name] = str(e)
+        left = PartialState._shared_state != {}
+        # A script that made its own process group distributes the work itself: left alone.
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        out["own_group"] = str(Accelerator().device)
+        print(json.dumps(dict(out, left=left)))
     """), env={"SUPERCHIP_EXECUTOR": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    refused = out.pop("torchrun")
-    assert out == {"plain": ["cuda:0", 2], "superchip": ["superchip:0", 1], "use_cpu": ["cpu", 0]}, out
-    assert "cannot train on superchip in 2 processes" in refused and "fully_shard" in refused, refused
+    refused = [out.pop("torchrun"), out.pop("accelerator")]
+    for msg in refused:
+        assert "accelerate cannot train on superchip in 2 processes" in msg and "fully_shard" in msg, msg
+    assert out == {"plain": ["cuda:0", 2], "superchip": ["superchip:0", 1], "use_cpu": ["cpu", 0],
+                   "own_group": "superchip", "left": False}, out
