@@ -1,6 +1,6 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
 place a model on superchip whole, ``Trainer`` trains where ``ACCELERATE_TORCH_DEVICE`` says, and
-accelerate refuses to run superchip processes apart under torchrun.
+accelerate runs superchip processes under torchrun as one data-parallel job.
 
 Contract
 --------
@@ -21,12 +21,12 @@ Each holds whether superchip is imported before or after accelerate and transfor
   (``"superchip"``: the current one) whenever that variable names one, the process is not
   distributed and ``use_cpu`` is off, with ``n_gpu`` 1, on either executor (Note [Trainer's
   device with the CUDA executor]). Without the variable, transformers' choice stands.
-- accelerate's ``PartialState`` (made by ``Accelerator()`` and by ``TrainingArguments.device``)
-  raises a RuntimeError saying what to use instead when superchip is the accelerator, the
-  process is one of several (``WORLD_SIZE`` above 1 and ``LOCAL_RANK`` set, as torchrun sets
-  them), no process group exists yet and ``cpu`` is off; it raises before it makes a process
-  group, and leaves no state behind (Note [Trainer under torchrun]). A script that made its
-  own process group (and wraps DDP itself) is left alone.
+- Under torchrun (``LOCAL_RANK`` set), accelerate's state (made by ``Accelerator()`` and by
+  ``TrainingArguments.device``) with superchip as the accelerator is a distributed one: a
+  process group ``cpu:gloo,superchip:sccl`` (unless the script made one, or named a backend),
+  ``DistributedDataParallel`` around the model, data loaders sharded by rank, and the device
+  ``superchip:<local rank modulo device_count()>`` (Note [accelerate's processes on
+  superchip]). ``cpu=True`` / ``use_cpu`` keep accelerate's own CPU mode.
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -55,20 +55,25 @@ checked with ``torch.cuda.is_available`` patched to say yes (no GPU here). The v
 superchip now wins over CUDA, as it does over the CPU; one process trains on one device, as
 with the CPU executor.
 
-Note [Trainer under torchrun]
-accelerate (1.16) knows a fixed list of device types it can run distributed (its
-``DistributedType`` and ``TORCH_DISTRIBUTED_BACKENDS``); superchip is not among them, and no
-entry can be added from outside (an enum). Launched by torchrun with
-``ACCELERATE_TORCH_DEVICE=superchip``, ``Trainer`` therefore ran each process as a single one:
-measured with two processes (CPU executor), each trained on the whole dataset on its own and
-both ended with the same weights, so N processes did the work of one, silently (and with the
-CUDA executor every process would have taken superchip:0). Support would mean re-routing
-accelerate's distributed set-up, data sharding and DDP wrapping for a device it does not know;
-until then accelerate's state refuses, with what to do, before it makes a process group (it
-would wait for every rank). A bare ``Accelerator()`` under torchrun is the same loop without
-``Trainer`` and is refused too, unless the script made its process group itself: then it
-distributes the work on its own and accelerate's single-process mode is what it asked for.
-torch.distributed itself (DDP, FSDP2) runs on superchip.
+Note [accelerate's processes on superchip]
+accelerate (1.16) runs distributed only on device types of a fixed list (its
+``DistributedType`` enum and ``TORCH_DISTRIBUTED_BACKENDS``); superchip is not among them, and
+an enum takes no new member from outside. Launched by torchrun with
+``ACCELERATE_TORCH_DEVICE=superchip``, ``Trainer`` therefore ran each process as a lone one:
+measured with two processes (CPU executor), each trained on all of the data, without DDP, and
+both ended with the weights of a one-process run, so N processes did the work of one,
+silently (and with the CUDA executor every process would have taken superchip:0).
+accelerate's MULTI_CPU mode is the one whose every step fits a device it does not know: it
+wraps the model in DDP without ``device_ids`` (DDP on superchip parameters, as
+torch.distributed runs it), shards data loaders, runs barriers and the RNG broadcast without
+naming a device, and makes its process group from the launcher's variables. superchip takes
+it, with two changes: the group's backend is ``cpu:gloo,superchip:sccl`` (a Gloo-only group
+would refuse superchip tensors' collectives), and the device is ``superchip:<local rank>``, not
+the CPU. accelerate itself makes MULTI_CPU only with ``cpu=True``, which is how a state of
+superchip's is told apart (``_ours``). Measured: two ranks of ``Trainer`` (clipping on,
+``torch.optim.AdamW(foreach=False)``) give the bits of the same run on CPU tensors in
+accelerate's own MULTI_CPU mode, and ``superchip.optim.AdamW`` with the engine gives its
+``overlap=False`` bits (``test_finetune_adapters.py``).
 """
 
 from __future__ import annotations
@@ -100,36 +105,48 @@ def _patch_free_memory() -> None:
     modeling.get_accelerator_free_memory = get_accelerator_free_memory
 
 
-def _patch_distributed_check() -> None:
+# What accelerate's process group is made with for superchip: superchip tensors through sccl,
+# CPU tensors (accelerate's RNG broadcast, object collectives) through Gloo; the README's
+# init_process_group() default.
+_PROCESS_GROUP_BACKEND = "cpu:gloo,superchip:sccl"
+
+
+def _ours(state, distributed_type) -> bool:
+    """A distributed state accelerate made MULTI_CPU for superchip (Note [accelerate's processes
+    on superchip]): accelerate itself makes MULTI_CPU only with ``cpu=True``."""
+    return (state.distributed_type == distributed_type.MULTI_CPU and not state._cpu
+            and _superchip_accelerator())
+
+
+def _patch_distributed() -> None:
     import os
 
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    original = PartialState.__dict__.get("_prepare_backend")
-    if original is None or getattr(original, "_superchip", False):
+    prepare = PartialState.__dict__.get("_prepare_backend")
+    set_device = PartialState.__dict__.get("set_device")
+    if prepare is None or set_device is None or getattr(prepare, "_superchip", False):
         return
 
-    def _prepare_backend(self, cpu: bool = False, *args, **kwargs):
-        backend, distributed_type = original(self, cpu, *args, **kwargs)
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if (distributed_type == DistributedType.NO and not cpu and world > 1
-                and os.environ.get("LOCAL_RANK") is not None and _superchip_accelerator()
-                and not torch.distributed.is_initialized()):
-            PartialState._reset_state()  # nothing half-made for the next PartialState()
-            raise RuntimeError(
-                f"superchip: accelerate cannot train on superchip in {world} processes: it has no "
-                "distributed mode for the superchip device (its distributed device types are a "
-                "fixed list), so each process (Trainer's, or an Accelerator's) would train alone, "
-                "on all of the data, without averaging gradients. Run one process (python "
-                "train.py), or train with torch.distributed directly: DistributedDataParallel or "
-                "FSDP2 (fully_shard) on superchip (README, 'Multi-GPU and multi-node'; "
-                "examples/ddp_fsdp.py).")
-        return backend, distributed_type
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend=None):
+        got, distributed_type = prepare(self, cpu, sagemaker_dp, backend)
+        if (distributed_type == DistributedType.NO and not cpu and not sagemaker_dp
+                and int(os.environ.get("LOCAL_RANK", -1)) != -1 and _superchip_accelerator()):
+            return backend or _PROCESS_GROUP_BACKEND, DistributedType.MULTI_CPU
+        return got, distributed_type
 
-    _prepare_backend._superchip = True
-    _prepare_backend.__wrapped__ = original
-    PartialState._prepare_backend = _prepare_backend
+    def _set_device(self):
+        if not _ours(self, DistributedType) or (self.device is not None and self.device.index is not None):
+            return set_device(self)
+        index = self.local_process_index % torch.superchip.device_count()
+        self.device = torch.device("superchip", index)
+        torch.superchip.set_device(index)
+
+    for name, new, old in (("_prepare_backend", _prepare_backend, prepare), ("set_device", _set_device, set_device)):
+        new._superchip = True
+        new.__wrapped__ = old
+        setattr(PartialState, name, new)
 
 
 def _patch_training_device() -> None:
@@ -170,7 +187,7 @@ def install() -> None:
 
     after_import("accelerate.utils.modeling", _patch_free_memory,
                  "accelerate's device maps could not be given superchip's memory")
-    after_import("accelerate.state", _patch_distributed_check,
-                 "accelerate could not be kept from running superchip processes apart")
+    after_import("accelerate.state", _patch_distributed,
+                 "accelerate's processes on superchip could not be made a distributed run")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
