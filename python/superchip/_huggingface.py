@@ -78,6 +78,8 @@ accelerate's own MULTI_CPU mode, and ``superchip.optim.AdamW`` with the engine g
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -143,10 +145,41 @@ def _patch_distributed() -> None:
         self.device = torch.device("superchip", index)
         torch.superchip.set_device(index)
 
-    for name, new, old in (("_prepare_backend", _prepare_backend, prepare), ("set_device", _set_device, set_device)):
+    from accelerate.state import AcceleratorState
+
+    init = AcceleratorState.__init__
+    init_signature = inspect.signature(init)
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        bound = init_signature.bind(self, *args, **kwargs).arguments
+        wanted = [what for what, asked in (
+            ("FSDP", bound.get("fsdp_plugin") is not None or _flag("ACCELERATE_USE_FSDP")),
+            ("Megatron-LM", _flag("ACCELERATE_USE_MEGATRON_LM")),
+            ("context parallelism", getattr(bound.get("parallelism_config"), "cp_enabled", False)),
+        ) if asked]
+        if wanted and _ours(self, DistributedType):
+            AcceleratorState._reset_state(reset_partial_state=True)
+            raise ValueError(
+                f"superchip: accelerate's {wanted[0]} mode does not run on the superchip device: "
+                "accelerate turns it on only for its own device types, and superchip's processes "
+                "would train with DDP instead, each rank holding the whole model. Leave it out "
+                "(DDP; superchip's host tier and weight streaming hold what hbm cannot), or shard "
+                "with FSDP2 directly: fully_shard over a superchip DeviceMesh (README, "
+                "'Multi-GPU and multi-node').")
+
+    for cls, name, new, old in ((PartialState, "_prepare_backend", _prepare_backend, prepare),
+                                (PartialState, "set_device", _set_device, set_device),
+                                (AcceleratorState, "__init__", __init__, init)):
         new._superchip = True
         new.__wrapped__ = old
-        setattr(PartialState, name, new)
+        setattr(cls, name, new)
+
+
+def _flag(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
 def _patch_training_device() -> None:
