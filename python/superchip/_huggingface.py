@@ -26,7 +26,10 @@ Each holds whether superchip is imported before or after accelerate and transfor
   process group ``cpu:gloo,superchip:sccl`` (unless the script made one, or named a backend),
   ``DistributedDataParallel`` around the model, data loaders sharded by rank, and the device
   ``superchip:<local rank modulo device_count()>`` (Note [accelerate's processes on
-  superchip]). ``cpu=True`` / ``use_cpu`` keep accelerate's own CPU mode.
+  superchip]). ``cpu=True`` / ``use_cpu`` keep accelerate's own CPU mode. Asked for FSDP (an
+  FSDP plugin, ``Trainer(fsdp=...)``, ``ACCELERATE_USE_FSDP``), the state is accelerate's FSDP
+  mode instead, version 1 or 2, as on CUDA; its Megatron-LM mode and context parallelism raise a
+  ValueError saying so (they would silently have run DDP), leaving no state behind.
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -70,10 +73,16 @@ naming a device, and makes its process group from the launcher's variables. supe
 it, with two changes: the group's backend is ``cpu:gloo,superchip:sccl`` (a Gloo-only group
 would refuse superchip tensors' collectives), and the device is ``superchip:<local rank>``, not
 the CPU. accelerate itself makes MULTI_CPU only with ``cpu=True``, which is how a state of
-superchip's is told apart (``_ours``). Measured: two ranks of ``Trainer`` (clipping on,
+superchip's is told apart (``_ours``). accelerate turns FSDP on (from the plugin or its
+variable) only over its own device types' modes: MULTI_CPU ignored it, so ``Trainer(fsdp=
+"full_shard")`` silently ran DDP, every rank holding the whole model. superchip makes the same
+switch for its state; torch's FSDP (1 and 2) runs on superchip tensors, with a default mesh of
+the accelerator's type. Measured: two ranks of ``Trainer`` (clipping on,
 ``torch.optim.AdamW(foreach=False)``) give the bits of the same run on CPU tensors in
-accelerate's own MULTI_CPU mode, and ``superchip.optim.AdamW`` with the engine gives its
-``overlap=False`` bits (``test_finetune_adapters.py``).
+accelerate's own MULTI_CPU mode, ``superchip.optim.AdamW`` with the engine gives its
+``overlap=False`` bits, and FSDP2 (half of each parameter per rank) and FSDP1 give DDP's
+losses to 1e-6 and FSDP2 its weights to 4e-9, the rounding of a reduce-scatter that divides
+before it sums (``test_finetune_adapters.py``).
 """
 
 from __future__ import annotations
@@ -152,21 +161,22 @@ def _patch_distributed() -> None:
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
+        if not _ours(self, DistributedType):
+            return
         bound = init_signature.bind(self, *args, **kwargs).arguments
-        wanted = [what for what, asked in (
-            ("FSDP", bound.get("fsdp_plugin") is not None or _flag("ACCELERATE_USE_FSDP")),
-            ("Megatron-LM", _flag("ACCELERATE_USE_MEGATRON_LM")),
-            ("context parallelism", getattr(bound.get("parallelism_config"), "cp_enabled", False)),
-        ) if asked]
-        if wanted and _ours(self, DistributedType):
-            AcceleratorState._reset_state(reset_partial_state=True)
-            raise ValueError(
-                f"superchip: accelerate's {wanted[0]} mode does not run on the superchip device: "
-                "accelerate turns it on only for its own device types, and superchip's processes "
-                "would train with DDP instead, each rank holding the whole model. Leave it out "
-                "(DDP; superchip's host tier and weight streaming hold what hbm cannot), or shard "
-                "with FSDP2 directly: fully_shard over a superchip DeviceMesh (README, "
-                "'Multi-GPU and multi-node').")
+        plugin = bound.get("fsdp_plugin")
+        if plugin is not None or _flag("ACCELERATE_USE_FSDP"):
+            # accelerate's own switch to FSDP, which it makes for its own device types only.
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no" and plugin is not None:
+                plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+            return
+        if _flag("ACCELERATE_USE_MEGATRON_LM"):
+            _refuse("Megatron-LM mode", "leave it out")
+        if getattr(bound.get("parallelism_config"), "cp_enabled", False):
+            _refuse("context parallelism", "leave it out")
 
     for cls, name, new, old in ((PartialState, "_prepare_backend", _prepare_backend, prepare),
                                 (PartialState, "set_device", _set_device, set_device),
@@ -174,6 +184,16 @@ def _patch_distributed() -> None:
         new._superchip = True
         new.__wrapped__ = old
         setattr(cls, name, new)
+
+
+def _refuse(what: str, instead: str) -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # nothing half-made for the next one
+    raise ValueError(
+        f"superchip: accelerate's {what} does not run on the superchip device (superchip's "
+        f"processes would otherwise train with DDP, each rank holding the whole model): {instead}; "
+        "DDP and FSDP (Trainer's fsdp=...) run.")
 
 
 def _flag(name: str) -> bool:

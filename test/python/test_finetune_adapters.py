@@ -162,7 +162,7 @@ class Data(torch.utils.data.Dataset):
         ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
 
-def run(device, opt):
+def run(device, opt, **kw):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
@@ -170,23 +170,35 @@ def run(device, opt):
     args = transformers.TrainingArguments(
         output_dir=os.path.join(sys.argv[1], "out"), max_steps=4, per_device_train_batch_size=2,
         max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-        use_cpu=device == "cpu")
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt(model), None))
+        use_cpu=device == "cpu", **kw)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
+                                   optimizers=(opt(model) if opt else None, None))
     trainer.train()
     torch.superchip.synchronize()
+    params = list(trainer.model.parameters())
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     return dict(device=str(args.device), wrapped=type(trainer.model_wrapped).__name__, world=args.world_size,
                 losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-                params=[p.detach().cpu() for p in model.parameters()])
+                local=local / sum(p.numel() for p in params),
+                params=[(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in params])
 
 adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
 engine = lambda overlap: lambda m: superchip.optim.AdamW(m.parameters(), lr=1e-2, overlap=overlap, bucket_bytes=16 << 10)
 runs = dict(superchip=run("superchip", adamw), engine=run("superchip", engine(True)), plain=run("superchip", engine(False)))
+# Trainer's own optimizer (it takes no optimizer with FSDP): DDP, then FSDP2.
+runs["ddp"] = run("superchip", None)
+runs["fsdp2"] = run("superchip", None, fsdp="full_shard",  # transformers 5's default version: 2
+                    fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+runs["fsdp1"] = run("superchip", None, fsdp="full_shard",
+                    fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+os.environ.pop("ACCELERATE_USE_FSDP")  # accelerate's Accelerator sets it for the process
 os.environ.pop("ACCELERATE_TORCH_DEVICE")  # accelerate's variable wins over use_cpu
 runs["cpu"] = run("cpu", adamw)
 same = lambda a, b: a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
 sums = [p.double().sum().item() for p in runs["superchip"]["params"]]
 out = {k: {f: v for f, v in r.items() if f != "params"} for k, r in runs.items()}
-out.update(cpu_bits=same(runs["superchip"], runs["cpu"]), engine_bits=same(runs["engine"], runs["plain"]), sums=sums)
+out.update(cpu_bits=same(runs["superchip"], runs["cpu"]), engine_bits=same(runs["engine"], runs["plain"]), sums=sums,
+           fsdp2_diff=max((a - b).abs().max().item() for a, b in zip(runs["fsdp2"]["params"], runs["ddp"]["params"])))
 with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(out, f)
 """
@@ -194,13 +206,13 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f
 
 @pytest.mark.skipif(superchip.executor() == "cuda" and torch.superchip.device_count() < 2,
                     reason="two ranks need two GPUs with the CUDA executor")
-def test_trainer_under_torchrun_is_data_parallel_with_the_cpus_bits(tmp_path):
+def test_trainer_under_torchrun_is_data_parallel_with_the_cpus_bits_and_runs_fsdp2(tmp_path):
     # Note [accelerate's processes on superchip] (superchip/_huggingface.py): accelerate has no
     # distributed mode for a device outside its fixed list, so under torchrun each Trainer
     # process trained alone on all of the data (both ranks ended with the same weights as one
     # process would). Now two ranks run DDP over sccl: each takes half of every batch, and the
     # run gives the bits of the same Trainer run on CPU tensors under torchrun (DDP over Gloo),
-    # with the engine giving the plain step's bits.
+    # with the engine giving the plain step's bits; Trainer's FSDP2 shards the model.
     script = tmp_path / "rank.py"
     script.write_text(_TRAINER_RANK)
     r = run_python(f"import runpy, sys; sys.argv = {['torchrun', '--standalone', '--nproc-per-node', '2', str(script), str(tmp_path)]!r}; "
@@ -216,3 +228,17 @@ def test_trainer_under_torchrun_is_data_parallel_with_the_cpus_bits(tmp_path):
         assert out["cpu_bits"] and out["engine_bits"], out
         assert len(out["superchip"]["losses"]) == 4, out
     assert ranks[0]["sums"] == ranks[1]["sums"], ranks  # gradients averaged: one model on both ranks
+    # FSDP2 through Trainer (fsdp="full_shard"): parameters sharded in half over the ranks,
+    # the DDP run's losses and, to fp32 rounding (its reduce-scatter divides before it sums),
+    # its weights.
+    for out in ranks:
+        fsdp2, ddp = out["fsdp2"], out["ddp"]
+        assert fsdp2["wrapped"].startswith("FSDP") and fsdp2["device"].startswith("superchip:"), out
+        assert fsdp2["local"] <= 0.55 and ddp["local"] == 1.0, out
+        for a, b in zip(fsdp2["losses"], ddp["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(b), out
+        assert out["fsdp2_diff"] <= 1e-6, out
+        # FSDP1 (fsdp_config version 1) wraps and trains as well.
+        assert out["fsdp1"]["wrapped"] == "FullyShardedDataParallel", out
+        for a, b in zip(out["fsdp1"]["losses"], ddp["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(b), out
