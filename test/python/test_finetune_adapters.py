@@ -242,3 +242,35 @@ def test_trainer_under_torchrun_is_data_parallel_with_the_cpus_bits_and_runs_fsd
         assert out["fsdp1"]["wrapped"] == "FullyShardedDataParallel", out
         for a, b in zip(out["fsdp1"]["losses"], ddp["losses"]):
             assert abs(a - b) <= 1e-6 * abs(b), out
+
+
+def test_accelerate_modes_superchip_processes_cannot_run_are_refused_leaving_no_state():
+    # Note [accelerate's processes on superchip]: Megatron-LM mode over superchip processes would
+    # silently have run DDP; it is refused, and accelerate's state is left empty. One process of
+    # torchrun --nproc-per-node 1 (a real one-rank process group).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_python(textwrap.dedent("""
+        import json, os, superchip, accelerate
+        from accelerate.state import AcceleratorState, PartialState
+        out = dict(mode=str(PartialState().distributed_type), device=str(PartialState().device))
+        os.environ["ACCELERATE_USE_MEGATRON_LM"] = "true"
+        import accelerate.accelerator
+        accelerate.accelerator.is_megatron_lm_available = lambda: True  # as where it is installed
+        try:
+            accelerate.Accelerator()
+            out["megatron"] = "ran"
+        except ValueError as e:
+            out["megatron"] = str(e)
+        out["left"] = PartialState._shared_state != {} or AcceleratorState._shared_state != {}
+        print(json.dumps(out))
+    """), env={"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SUPERCHIP_EXECUTOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["mode"] == "DistributedType.MULTI_CPU" and out["device"] == "superchip:0", out
+    assert "Megatron-LM mode does not run on the superchip device" in out["megatron"], out
+    assert not out["left"], out
