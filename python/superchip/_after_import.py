@@ -10,7 +10,8 @@ Contract
 - The module is found by the other finders of ``sys.meta_path``, in their order. One whose
   loader has no ``exec_module`` is imported as usual and its action is not run.
 - One ``sys.meta_path`` finder serves every pending module and removes itself once none is
-  left. Not thread-safe against concurrent first imports of the same module (Python's import
+  left. A query that finds the module without executing it (``importlib.util.find_spec``)
+  leaves its actions pending. Not thread-safe against concurrent first imports of the same module (Python's import
   lock serialises them anyway).
 """
 
@@ -36,11 +37,10 @@ class _AfterImports:
     """The finder: runs the pending module as usual, then its actions."""
 
     def find_spec(self, fullname, path, target=None):
-        actions = _PENDING.pop(fullname, None)
-        if actions is None:
+        # Not taken off the list here: find_spec also answers queries (importlib.util.find_spec)
+        # that never execute the module; the actions go when the module is executed.
+        if fullname not in _PENDING:
             return None
-        if not _PENDING and self in sys.meta_path:
-            sys.meta_path.remove(self)
         spec = None
         for finder in list(sys.meta_path):  # the other finders, in order (an editable install's too)
             find = getattr(finder, "find_spec", None)
@@ -56,6 +56,9 @@ class _AfterImports:
 
         def exec_module(module):
             execute(module)
+            actions = _PENDING.pop(fullname, [])
+            if not _PENDING and self in sys.meta_path:
+                sys.meta_path.remove(self)
             for action, failure in actions:
                 _run(action, failure)
 

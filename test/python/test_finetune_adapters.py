@@ -274,3 +274,20 @@ def test_accelerate_modes_superchip_processes_cannot_run_are_refused_leaving_no_
     assert out["mode"] == "DistributedType.MULTI_CPU" and out["device"] == "superchip:0", out
     assert "Megatron-LM mode does not run on the superchip device" in out["megatron"], out
     assert not out["left"], out
+
+
+def test_a_find_spec_query_before_the_import_keeps_the_patches_pending():
+    # superchip/_after_import.py: importlib.util.find_spec (libraries' "is X available" checks)
+    # asks the finders for a module without executing it; superchip's finder had taken the
+    # module's patches off its list there, so the real import later went unpatched.
+    r = run_python(textwrap.dedent("""
+        import importlib.util, json, sys
+        import superchip
+        query = importlib.util.find_spec("transformers.training_args") is not None
+        loaded = "transformers.training_args" in sys.modules
+        from transformers import TrainingArguments
+        patched = getattr(TrainingArguments.__dict__["_setup_devices"].func, "_superchip", False)
+        print(json.dumps(dict(query=query, loaded=loaded, patched=patched)))
+    """))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"query": True, "loaded": False, "patched": True}
