@@ -1,5 +1,5 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
-place a model on superchip whole, ``Trainer`` trains where ``ACCELERATE_TORCH_DEVICE`` says, and
+place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does, and
 accelerate runs superchip processes under torchrun as one data-parallel job.
 
 Contract
@@ -17,10 +17,10 @@ Each holds whether superchip is imported before or after accelerate and transfor
 - ``max_memory`` given by the user is taken as given (accelerate reads nothing then).
 - Other devices, and accelerate without ``utils.modeling.get_accelerator_free_memory`` (it
   came with accelerate 1.16; the set-up installs 1.16), are left as accelerate has them.
-- ``TrainingArguments.device`` is the superchip device ``ACCELERATE_TORCH_DEVICE`` names
-  (``"superchip"``: the current one) whenever that variable names one, the process is not
-  distributed and ``use_cpu`` is off, with ``n_gpu`` 1, on either executor (Note [Trainer's
-  device with the CUDA executor]). Without the variable, transformers' choice stands.
+- In a process that is not distributed, ``TrainingArguments.device`` is a superchip device,
+  with ``n_gpu`` 1, on either executor, as accelerate's own device is (Note [Trainer's
+  device]): the one ``ACCELERATE_TORCH_DEVICE`` names, or the current one without it. Left to
+  transformers: ``use_cpu``, ``ACCELERATE_USE_CPU``, and the variable naming another device.
 - Under torchrun (``LOCAL_RANK`` set), accelerate's state (made by ``Accelerator()`` and by
   ``TrainingArguments.device``) with superchip as the accelerator is a distributed one: a
   process group ``cpu:gloo,superchip:sccl`` (unless the script made one, or named a backend),
@@ -46,17 +46,19 @@ and break its meaning everywhere else (batch and cache sizing read it as GPU mem
 CUDA; ``memory_allocated`` reports hbm), so the device's own figure stays hbm's, and only
 accelerate's question "how much can this device hold" gets superchip's answer.
 
-Note [Trainer's device with the CUDA executor]
+Note [Trainer's device]
 transformers' ``TrainingArguments`` picks the device of a single-process run itself, and
-ignores accelerate's: its last case is ``"cuda:0" if torch.cuda.is_available() else
-ACCELERATE_TORCH_DEVICE``. With the CPU executor that reads the variable the README tells
-Trainer users to set; with the CUDA executor torch.cuda is available, so ``Trainer`` moved the
-model to plain ``cuda:0`` (a model larger than the GPU then fails there, and
-``superchip.optim`` is handed CUDA parameters), and ``n_gpu`` counted the GPUs, so a machine
-with several wrapped the model in ``nn.DataParallel``. Found by reading transformers 5.25 and
-checked with ``torch.cuda.is_available`` patched to say yes (no GPU here). The variable naming
-superchip now wins over CUDA, as it does over the CPU; one process trains on one device, as
-with the CPU executor.
+ignores accelerate's (which is superchip: PrivateUse1 is torch's accelerator when registered):
+its last case is ``"cuda:0" if torch.cuda.is_available() else ACCELERATE_TORCH_DEVICE or
+"cpu"``, and ``Trainer`` moves the model there. So a script that moved its model to superchip
+and handed it to ``Trainer`` got it moved back, silently: to the CPU with the CPU executor
+(unless the README's ``ACCELERATE_TORCH_DEVICE=superchip`` was set), and to plain ``cuda:0``
+with the CUDA executor even with it (a model larger than the GPU then fails there, and
+``superchip.optim`` is handed CUDA parameters); ``n_gpu`` counted the GPUs, so a machine with
+several wrapped the model in ``nn.DataParallel``. The CUDA case was found by reading
+transformers 5.25 and checked with ``torch.cuda.is_available`` patched to say yes (no GPU
+here). A process that imports superchip now trains on it, as accelerate's ``Accelerator``
+already did; one process trains on one device.
 
 Note [accelerate's processes on superchip]
 accelerate (1.16) runs distributed only on device types of a fixed list (its
@@ -215,9 +217,10 @@ def _patch_training_device() -> None:
 
     def _setup_devices(self) -> torch.device:
         device = original(self)
-        wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "")
-        if device.type != "cuda" or not wanted.startswith("superchip"):
-            return device  # use_cpu, ACCELERATE_USE_CPU, the CPU executor's own fallback
+        wanted = os.environ.get("ACCELERATE_TORCH_DEVICE", "superchip")
+        if (not wanted.startswith("superchip") or self.use_cpu or _flag("ACCELERATE_USE_CPU")
+                or not _superchip_accelerator()):
+            return device
         from accelerate.utils import DistributedType
 
         if getattr(self.distributed_state, "distributed_type", None) != DistributedType.NO:

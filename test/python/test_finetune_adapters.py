@@ -124,30 +124,36 @@ def test_from_pretrained_onto_superchip_like_cpu(tmp_path, how):
     assert_matches_cpu(got.loss.detach().cpu(), want.loss.detach())
 
 
-def test_trainer_device_follows_accelerate_torch_device_where_cuda_is_available():
-    # Note [Trainer's device with the CUDA executor] (superchip/_huggingface.py): transformers
-    # picks a single process's device as "cuda:0" whenever torch.cuda is available, before it
-    # reads ACCELERATE_TORCH_DEVICE, so with the CUDA executor Trainer moved the model to plain
-    # CUDA and counted every GPU in n_gpu (nn.DataParallel). Checked here with torch.cuda saying
-    # two GPUs are available; transformers is imported before superchip, as a script may.
-    r = run_python(textwrap.dedent("""
+@pytest.mark.parametrize("cuda", [False, True], ids=["as-is", "cuda-available"])
+def test_trainer_trains_on_superchip_as_accelerate_does(cuda):
+    # Note [Trainer's device] (superchip/_huggingface.py): transformers picks a single process's
+    # device itself, "cuda:0" whenever torch.cuda is available, else ACCELERATE_TORCH_DEVICE or
+    # the CPU, and Trainer moved a superchip model there: to the CPU unless that variable was set,
+    # and with the CUDA executor to plain CUDA even with it, counting every GPU in n_gpu
+    # (nn.DataParallel). Checked as is and with torch.cuda saying two GPUs are available;
+    # transformers is imported before superchip, as a script may.
+    r = run_python(textwrap.dedent(f"""
         import json, os, torch
-        torch.cuda.is_available = lambda: True
-        torch.cuda.device_count = lambda: 2
-        torch.cuda.set_device = lambda device: None
+        if {cuda}:
+            torch.cuda.is_available = lambda: True
+            torch.cuda.device_count = lambda: 2
+            torch.cuda.set_device = lambda device: None
         from transformers import TrainingArguments
         import superchip
-        def device(**kw):
+        def device(variable=None, **kw):
+            os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+            if variable:
+                os.environ["ACCELERATE_TORCH_DEVICE"] = variable
             a = TrainingArguments(output_dir="out", report_to=[], **kw)
             return [str(a.device), a.n_gpu]
-        out = dict(plain=device())
-        os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
-        out.update(superchip=device(), use_cpu=device(use_cpu=True))
-        print(json.dumps(out))
+        print(json.dumps(dict(plain=device(), variable=device("superchip"), use_cpu=device(use_cpu=True),
+                              other=device("cpu"))))
     """), env={"SUPERCHIP_EXECUTOR": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out == {"plain": ["cuda:0", 2], "superchip": ["superchip:0", 1], "use_cpu": ["cpu", 0]}, out
+    other = ["cuda:0", 2] if cuda else ["cpu", 0]  # the variable naming another device: transformers' choice
+    assert out == {"plain": ["superchip:0", 1], "variable": ["superchip:0", 1], "use_cpu": ["cpu", 0],
+                   "other": other}, out
 
 
 _TRAINER_RANK = """
