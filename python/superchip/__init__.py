@@ -212,8 +212,9 @@ import os as _os  # noqa: E402
 
 _os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
-# accelerate's device_map="auto" maps a model larger than hbm whole onto superchip (its host
-# tier), not partly onto accelerate's CPU offload (Note [device_map="auto" on superchip]).
+# Hugging Face's device choices answered for superchip, when accelerate and transformers load
+# (_huggingface.py): device_map="auto" maps a model larger than hbm onto superchip whole,
+# Trainer trains on superchip, and torchrun's processes run as one data-parallel job.
 from . import _huggingface  # noqa: E402
 
 _huggingface.install()
