@@ -199,9 +199,10 @@ def _refuse(what: str, instead: str) -> None:
 
 
 def _flag(name: str) -> bool:
+    """An ACCELERATE_USE_* variable read as accelerate reads it."""
     import os
 
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+    return os.environ.get(name, "false").lower() == "true"
 
 
 def _patch_training_device() -> None:
