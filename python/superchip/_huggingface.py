@@ -199,10 +199,14 @@ def _refuse(what: str, instead: str) -> None:
 
 
 def _flag(name: str) -> bool:
-    """An ACCELERATE_USE_* variable read as accelerate reads it."""
+    """An ACCELERATE_USE_* variable read as accelerate reads it: FSDP and Megatron-LM only as
+    "true", the CPU as any of strtobool's yeses (transformers' and accelerate's reading)."""
     import os
 
-    return os.environ.get(name, "false").lower() == "true"
+    value = os.environ.get(name, "false").lower()
+    if name == "ACCELERATE_USE_CPU":
+        return value in ("y", "yes", "t", "true", "on", "1")
+    return value == "true"
 
 
 def _patch_training_device() -> None:
