@@ -146,14 +146,17 @@ def test_trainer_trains_on_superchip_as_accelerate_does(cuda):
                 os.environ["ACCELERATE_TORCH_DEVICE"] = variable
             a = TrainingArguments(output_dir="out", report_to=[], **kw)
             return [str(a.device), a.n_gpu]
-        print(json.dumps(dict(plain=device(), variable=device("superchip"), use_cpu=device(use_cpu=True),
-                              other=device("cpu"))))
+        out = dict(plain=device(), variable=device("superchip"), use_cpu=device(use_cpu=True), other=device("cpu"))
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+        print(json.dumps(dict(out, use_cpu_variable=device())))
     """), env={"SUPERCHIP_EXECUTOR": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    other = ["cuda:0", 2] if cuda else ["cpu", 0]  # the variable naming another device: transformers' choice
+    # The variable naming another device, and ACCELERATE_USE_CPU: transformers' choice (which
+    # reads the latter for accelerate's state only, so it says cuda:0 where CUDA is available).
+    other = ["cuda:0", 2] if cuda else ["cpu", 0]
     assert out == {"plain": ["superchip:0", 1], "variable": ["superchip:0", 1], "use_cpu": ["cpu", 0],
-                   "other": other}, out
+                   "other": other, "use_cpu_variable": other}, out
 
 
 _TRAINER_RANK = """
