@@ -171,7 +171,7 @@ class Data(torch.utils.data.Dataset):
         ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
 
-def run(device, opt, **kw):
+def run(device, opt, trainer_kw=None, **kw):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
@@ -181,14 +181,15 @@ def run(device, opt, **kw):
         max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
         use_cpu=device == "cpu", **kw)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
-                                   optimizers=(opt(model) if opt else None, None))
+                                   optimizers=(opt(model) if opt else None, None), **(trainer_kw or {}))
     trainer.train()
     torch.superchip.synchronize()
     params = list(trainer.model.parameters())
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     return dict(device=str(args.device), wrapped=type(trainer.model_wrapped).__name__, world=args.world_size,
                 losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-                local=local / sum(p.numel() for p in params),
+                local=local / sum(p.numel() for p in params), optimizer=type(inner).__module__,
                 params=[(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in params])
 
 adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
@@ -198,13 +199,18 @@ runs = dict(superchip=run("superchip", adamw), engine=run("superchip", engine(Tr
 runs["ddp"] = run("superchip", None)
 runs["fsdp2"] = run("superchip", None, fsdp="full_shard",  # transformers 5's default version: 2
                     fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+# superchip.optim with Trainer's parameter groups: optimizer_cls_and_kwargs (transformers refuses
+# optimizers= with FSDP).
+runs["fsdp2_superchip_optim"] = run("superchip", None, trainer_kw=dict(
+    optimizer_cls_and_kwargs=(superchip.optim.AdamW, dict(lr=1e-2))), fsdp="full_shard",
+    fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
 runs["fsdp1"] = run("superchip", None, fsdp="full_shard",
                     fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
 os.environ.pop("ACCELERATE_USE_FSDP")  # accelerate's Accelerator sets it for the process
 os.environ.pop("ACCELERATE_TORCH_DEVICE")  # accelerate's variable wins over use_cpu
 runs["cpu"] = run("cpu", adamw)
 same = lambda a, b: a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
-sums = [p.double().sum().item() for p in runs["superchip"]["params"]]
+sums = [p.double().sum().item() for name in ("superchip", "fsdp2_superchip_optim") for p in runs[name]["params"]]
 out = {k: {f: v for f, v in r.items() if f != "params"} for k, r in runs.items()}
 out.update(cpu_bits=same(runs["superchip"], runs["cpu"]), engine_bits=same(runs["engine"], runs["plain"]), sums=sums,
            fsdp2_diff=max((a - b).abs().max().item() for a, b in zip(runs["fsdp2"]["params"], runs["ddp"]["params"])))
@@ -247,6 +253,9 @@ def test_trainer_under_torchrun_is_data_parallel_with_the_cpus_bits_and_runs_fsd
         for a, b in zip(fsdp2["losses"], ddp["losses"]):
             assert abs(a - b) <= 1e-6 * abs(b), out
         assert out["fsdp2_diff"] <= 1e-6, out
+        ours = out["fsdp2_superchip_optim"]
+        assert ours["wrapped"].startswith("FSDP") and ours["optimizer"] == "superchip.optim", out
+        assert ours["local"] <= 0.55 and len(ours["losses"]) == 4, out
         # FSDP1 (fsdp_config version 1) wraps and trains as well.
         assert out["fsdp1"]["wrapped"] == "FullyShardedDataParallel", out
         for a, b in zip(out["fsdp1"]["losses"], ddp["losses"]):
