@@ -94,6 +94,14 @@ import inspect
 import torch
 
 
+def _wrapping(new, old):
+    """Marks ``new`` as superchip's wrapper of ``old`` (each patch checks the mark, so it is
+    applied once)."""
+    new._superchip = True
+    new.__wrapped__ = old
+    return new
+
+
 def _superchip_accelerator() -> bool:
     acc = torch.accelerator.current_accelerator()
     return acc is not None and acc.type == "superchip"
@@ -113,9 +121,7 @@ def _patch_free_memory() -> None:
             return _placement_room(device_index)
         return original(device_module, device_index)
 
-    get_accelerator_free_memory._superchip = True
-    get_accelerator_free_memory.__wrapped__ = original
-    modeling.get_accelerator_free_memory = get_accelerator_free_memory
+    modeling.get_accelerator_free_memory = _wrapping(get_accelerator_free_memory, original)
 
 
 # What accelerate's process group is made with for superchip: superchip tensors through sccl,
@@ -183,9 +189,7 @@ def _patch_distributed() -> None:
     for cls, name, new, old in ((PartialState, "_prepare_backend", _prepare_backend, prepare),
                                 (PartialState, "set_device", _set_device, set_device),
                                 (AcceleratorState, "__init__", __init__, init)):
-        new._superchip = True
-        new.__wrapped__ = old
-        setattr(cls, name, new)
+        setattr(cls, name, _wrapping(new, old))
 
 
 def _refuse(what: str, instead: str) -> None:
@@ -235,9 +239,7 @@ def _patch_training_device() -> None:
         self._n_gpu = 1
         return _device_of(wanted)
 
-    _setup_devices._superchip = True
-    _setup_devices.__wrapped__ = original
-    patched = cached_property(_setup_devices)
+    patched = cached_property(_wrapping(_setup_devices, original))
     patched.__set_name__(TrainingArguments, "_setup_devices")
     TrainingArguments._setup_devices = patched
 
