@@ -1,6 +1,7 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
-place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does, and
-accelerate runs superchip processes under torchrun as one data-parallel job.
+place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does,
+accelerate runs superchip processes under torchrun as one data-parallel job, and safetensors
+loads onto superchip.
 
 Contract
 --------
@@ -30,6 +31,15 @@ Each holds whether superchip is imported before or after accelerate and transfor
   FSDP plugin, ``Trainer(fsdp=...)``, ``ACCELERATE_USE_FSDP``), the state is accelerate's FSDP
   mode instead, version 1 or 2, as on CUDA; its Megatron-LM mode and context parallelism raise a
   ValueError saying so (they would silently have run DDP), leaving no state behind.
+- safetensors opens files for a superchip device (Note [safetensors' device names]):
+  ``safe_open(..., device=D)``, ``safetensors.torch.load_file(..., device=D)`` and what calls them
+  (peft's ``load_peft_weights`` and ``PeftModel.from_pretrained(..., torch_device=D)``,
+  accelerate's ``load_checkpoint_in_model``, huggingface_hub's ``load_torch_model``) give
+  tensors on D, for D ``"superchip"``, ``"superchip:N"`` or such a ``torch.device``, placed as
+  ``.to(D)`` places them (past hbm's budget, in host). Every other device is handed to
+  safetensors as given. This holds for every module's ``safe_open`` name bound to safetensors'
+  own, whenever it was bound, except a name bound after ``import superchip`` straight from
+  ``safetensors._safetensors_rust``.
 
 Note [device_map="auto" on superchip]
 accelerate asks each accelerator for its free memory (``torch.accelerator.get_memory_info``,
@@ -85,11 +95,32 @@ accelerate's own MULTI_CPU mode, ``superchip.optim.AdamW`` with the engine gives
 ``overlap=False`` bits, and FSDP2 (half of each parameter per rank) and FSDP1 give DDP's
 losses to 1e-6 and FSDP2 its weights to 4e-9, the rounding of a reduce-scatter that divides
 before it sums (``test_finetune_adapters.py``).
+
+Note [safetensors' device names]
+safetensors' core (Rust) takes a device as one of the names it lists (cpu, cuda, mps, npu,
+xpu, xla, mlu, musa, hpu, with an optional index) or as a bare index, and refuses any other
+name: ``load_file(path, device="superchip")`` raised "SafetensorError: device superchip is
+invalid", and so did peft's adapter loading given superchip (``load_peft_weights(path,
+device="superchip")``, ``PeftModel.from_pretrained(model, path, torch_device="superchip")``)
+and accelerate's ``load_checkpoint_in_model`` with a superchip device map. (safetensors'
+pull requests #779, #786 and #804, open, would add a registry for such devices.) A bare index
+is safetensors' "let torch choose" form: it makes each tensor on the CPU from the file and
+calls ``tensor.to(index)``, and torch reads an index as a device of its accelerator, which is
+superchip whenever superchip is registered (PrivateUse1 comes first in torch's choice). So a
+superchip device is handed to safetensors as its index, on the path safetensors takes for
+CUDA, with ``get_tensor``, ``get_slice`` and ``metadata`` as they are. ``safe_open`` is a type
+of the Rust extension whose ``__new__`` cannot be wrapped (Python then refuses to call the
+original as "not safe"), so the name is rebound instead: ``safetensors.safe_open`` (which
+``safetensors.torch`` and later ``from safetensors import safe_open`` read) and every loaded
+module's global bound to the original (transformers', accelerate's, peft's, a script's
+imported before superchip). The wrapper is a function: nothing in those packages checks
+``isinstance(..., safe_open)``.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
@@ -244,8 +275,38 @@ def _patch_training_device() -> None:
     TrainingArguments._setup_devices = patched
 
 
+def _safetensors_device(device):
+    """A superchip device as safetensors can take it, its index (Note [safetensors' device
+    names]); any other device as given."""
+    if isinstance(device, str) and device.split(":")[0] == "superchip":
+        device = torch.device(device)
+    if not isinstance(device, torch.device) or device.type != "superchip" or not _superchip_accelerator():
+        return device
+    return device.index if device.index is not None else torch.accelerator.current_device_index()
+
+
+def _patch_safetensors() -> None:
+    import safetensors
+
+    original = safetensors.safe_open
+    if getattr(original, "_superchip", False):
+        return
+
+    def safe_open(filename, framework, device="cpu", *args, **kwargs):
+        return original(filename, framework, _safetensors_device(device), *args, **kwargs)
+
+    patched = _wrapping(safe_open, original)
+    patched.__doc__ = original.__doc__
+    # Every module's name for the original (safetensors.torch's and others' bound before now).
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict) and names.get("safe_open") is original:
+            names["safe_open"] = patched
+    safetensors.safe_open = patched
+
+
 def install() -> None:
-    """Patches accelerate and transformers now if they are loaded, else right after they load."""
+    """Patches accelerate, transformers and safetensors now if they are loaded, else right after they load."""
     from ._after_import import after_import
 
     after_import("accelerate.utils.modeling", _patch_free_memory,
@@ -254,3 +315,5 @@ def install() -> None:
                  "accelerate's processes on superchip could not be made a distributed run")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
+    after_import("safetensors", _patch_safetensors,
+                 "safetensors could not be given superchip's device names")

@@ -309,3 +309,94 @@ def test_a_find_spec_query_before_the_import_keeps_the_patches_pending():
     """))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"query": True, "loaded": False, "patched": True}
+
+
+_SAFETENSORS_LIBRARIES = """
+from safetensors import safe_open
+import safetensors.torch, peft, accelerate.utils.modeling, huggingface_hub, transformers.modeling_utils
+"""
+
+
+@pytest.mark.parametrize("first", ["superchip", "libraries"], ids=["superchip-first", "libraries-first"])
+def test_safetensors_and_what_calls_it_load_onto_superchip(tmp_path, first):
+    # Note [safetensors' device names] (superchip/_huggingface.py): safetensors refused the name
+    # ("device superchip is invalid"), and with it peft's adapter loading given superchip,
+    # accelerate's checkpoint loading with a superchip device map and huggingface_hub's
+    # load_torch_model. A file 4x hbm's budget is placed as .to("superchip") places it.
+    # `safe_open` bound before and after superchip is imported.
+    libraries = textwrap.dedent(_SAFETENSORS_LIBRARIES)
+    r = run_python((libraries if first == "libraries" else "") + "import superchip\n"
+                   + (libraries if first == "superchip" else "") + textwrap.dedent(f"""
+        import json, sys, torch, peft, safetensors
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+        from accelerate.utils import load_checkpoint_in_model
+        from safetensors.torch import save_file, load_file
+        d = {str(tmp_path)!r}
+        torch.manual_seed(0)
+        big = {{f"w{{i}}": torch.randn(256, 256) for i in range(16)}}  # 4 MiB
+        save_file(big, d + "/big.safetensors")
+        def same(got, want):
+            return sorted(got) == sorted(want) and all(
+                v.device == torch.device("superchip", 0) and torch.equal(v.cpu(), want[k]) for k, v in got.items())
+        out = dict(names=[str(n) for n in ("superchip", "superchip:0", torch.device("superchip"), torch.device("superchip", 0))])
+        out["load_file"] = [same(load_file(d + "/big.safetensors", device=n), big)
+                            for n in ("superchip", "superchip:0", torch.device("superchip"), torch.device("superchip", 0))]
+        loaded = load_file(d + "/big.safetensors", device="superchip")
+        out["tiers"] = sorted({{superchip.tier_of(v) for v in loaded.values()}})
+        s = superchip.memory_stats()
+        out["peak"], out["budget"] = s["hbm.peak_allocated_bytes"], s["hbm.capacity_bytes"]
+        del loaded
+        with safe_open(d + "/big.safetensors", framework="pt", device="superchip") as f:
+            part = f.get_slice("w2")[1:3]
+            out["safe_open"] = [same({{"w1": f.get_tensor("w1")}}, {{"w1": big["w1"]}}), part.device.type, torch.equal(part.cpu(), big["w2"][1:3])]
+        try:
+            load_file(d + "/big.safetensors", device="bogus")
+        except Exception as e:
+            out["other"] = f"{{type(e).__name__}}: {{e}}"
+        out["bound"] = sorted(m for m in ("__main__", "safetensors.torch", "transformers.modeling_utils",
+                                          "accelerate.utils.modeling", "accelerate.utils.offload")
+                              if getattr(sys.modules.get(m), "safe_open", None) is not safetensors.safe_open)
+
+        # peft: an adapter saved from the CPU, loaded onto superchip.
+        import transformers
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        base = transformers.LlamaForCausalLM(cfg)
+        base.save_pretrained(d + "/base")
+        lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        lora.save_pretrained(d + "/adapter")
+        want = {{k: v.clone() for k, v in peft.get_peft_model_state_dict(lora).items()}}
+        out["peft_weights"] = same(peft.utils.load_peft_weights(d + "/adapter", device="superchip"),
+                                   peft.utils.load_peft_weights(d + "/adapter", device="cpu"))
+        onto = transformers.LlamaForCausalLM.from_pretrained(d + "/base", device_map="superchip")
+        model = peft.PeftModel.from_pretrained(onto, d + "/adapter", torch_device="superchip")
+        out["peft_model"] = same(peft.get_peft_model_state_dict(model), want)
+
+        # accelerate: a checkpoint into a model on meta, mapped to superchip by hand and by "auto".
+        net = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        ref = net()
+        save_file(ref.state_dict(), d + "/net.safetensors")
+        with init_empty_weights():
+            m1 = net()
+        load_checkpoint_in_model(m1, d + "/net.safetensors", device_map={{"": "superchip"}})
+        with init_empty_weights():
+            m2 = net()
+        m2 = load_checkpoint_and_dispatch(m2, d + "/net.safetensors", device_map="auto")
+        out["accelerate"] = [same(m1.state_dict(), ref.state_dict()), same(m2.state_dict(), ref.state_dict())]
+
+        # huggingface_hub
+        import huggingface_hub
+        m3 = net().to("superchip")
+        huggingface_hub.load_torch_model(m3, d + "/net.safetensors", map_location="superchip")
+        out["hub"] = same(m3.state_dict(), ref.state_dict())
+        print(json.dumps(out))
+    """), env={"SUPERCHIP_HBM_BYTES": "1M"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["load_file"] == [True] * 4, out
+    assert out["tiers"] == ["hbm", "host"] and out["peak"] <= out["budget"], out
+    assert out["safe_open"] == [True, "superchip", True], out
+    assert out["other"] == "SafetensorError: device bogus is invalid", out
+    assert out["bound"] == [], out
+    assert out["peft_weights"] and out["peft_model"], out
+    assert out["accelerate"] == [True, True] and out["hub"], out
