@@ -22,6 +22,8 @@ Each holds whether superchip is imported before or after accelerate and transfor
   with ``n_gpu`` 1, on either executor, as accelerate's own device is (Note [Trainer's
   device]): the one ``ACCELERATE_TORCH_DEVICE`` names, or the current one without it. Left to
   transformers: ``use_cpu``, ``ACCELERATE_USE_CPU``, and the variable naming another device.
+  ``bf16=True`` is taken where superchip says it takes bf16 (``torch.superchip.is_bf16_supported``),
+  as a GPU's answer is taken on CUDA.
 - Under torchrun (``LOCAL_RANK`` set), accelerate's state (made by ``Accelerator()`` and by
   ``TrainingArguments.device``) with superchip as the accelerator is a distributed one: a
   process group ``cpu:gloo,superchip:sccl`` (unless the script made one, or named a backend),
@@ -273,6 +275,20 @@ def _patch_training_device() -> None:
     patched = cached_property(_wrapping(_setup_devices, original))
     patched.__set_name__(TrainingArguments, "_setup_devices")
     TrainingArguments._setup_devices = patched
+
+    # bf16=True: TrainingArguments asks whether "the GPU" takes bf16, from a list of device
+    # types superchip is not on, and refused it ("Your setup doesn't support bf16/gpu"); the
+    # device it trains on is superchip's, so superchip answers.
+    import transformers.training_args as training_args
+
+    bf16_available = getattr(training_args, "is_torch_bf16_gpu_available", None)
+    if bf16_available is not None and not getattr(bf16_available, "_superchip", False):
+        def is_torch_bf16_gpu_available() -> bool:
+            if _superchip_accelerator():
+                return torch.superchip.is_bf16_supported()
+            return bf16_available()
+
+        training_args.is_torch_bf16_gpu_available = _wrapping(is_torch_bf16_gpu_available, bf16_available)
 
 
 def _safetensors_device(device):

@@ -159,6 +159,45 @@ def test_trainer_trains_on_superchip_as_accelerate_does(cuda):
                    "other": other, "use_cpu_variable": other}, out
 
 
+def test_trainer_bf16_trains_on_superchip_with_the_cpus_bits():
+    # TrainingArguments(bf16=True) asks transformers whether "the GPU" takes bf16, from a list of
+    # device types without superchip, and raised "Your setup doesn't support bf16/gpu" (CPU
+    # executor; the CUDA executor passed only because torch.cuda answered). Trained with
+    # accelerate's bf16 autocast, on superchip as on the CPU (transformers imported first).
+    r = run_python(textwrap.dedent("""
+        import json, os, sys, tempfile, torch, transformers
+        import superchip
+        class Data(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
+                return {"input_ids": ids, "labels": ids}
+        def run(use_cpu):
+            torch.manual_seed(0)
+            cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1)
+            args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), bf16=True, use_cpu=use_cpu, max_steps=3,
+                                                  per_device_train_batch_size=2, logging_steps=1, report_to=[],
+                                                  save_strategy="no", disable_tqdm=True, optim="adamw_torch")
+            t = transformers.Trainer(model=transformers.LlamaForCausalLM(cfg), args=args, train_dataset=Data())
+            t.train()
+            return dict(device=str(args.device), precision=t.accelerator.mixed_precision,
+                        losses=[h["loss"] for h in t.state.log_history if "loss" in h],
+                        params=[p.detach().cpu() for p in t.model.parameters()])
+        s, c = run(False), run(True)
+        print(json.dumps(dict(device=s["device"], precision=s["precision"], losses=s["losses"], cpu=c["losses"],
+                              diff=max((a - b).abs().max().item() for a, b in zip(s["params"], c["params"])))))
+    """), timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["device"] == "superchip:0" and out["precision"] == "bf16" and len(out["losses"]) == 3, out
+    if superchip.executor() == "cpu":
+        assert out["losses"] == out["cpu"] and out["diff"] == 0, out
+    else:  # CUDA's bf16 kernels round differently from the CPU's
+        assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(out["losses"], out["cpu"])), out
+
+
 _TRAINER_RANK = """
 import json, os, sys
 os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
