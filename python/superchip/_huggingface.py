@@ -1,7 +1,7 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
 place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does,
-accelerate runs superchip processes under torchrun as one data-parallel job, and safetensors
-loads onto superchip.
+accelerate runs superchip processes under torchrun as one data-parallel job, pipelines run on
+superchip, and safetensors loads onto superchip.
 
 Contract
 --------
@@ -33,7 +33,21 @@ Each holds whether superchip is imported before or after accelerate and transfor
   FSDP plugin, ``Trainer(fsdp=...)``, ``ACCELERATE_USE_FSDP``), the state is accelerate's FSDP
   mode instead, version 1 or 2, as on CUDA; its Megatron-LM mode and context parallelism raise a
   ValueError saying so (they would silently have run DDP), leaving no state behind.
-- safetensors opens files for a superchip device (Note [safetensors' device names]):
+- A transformers pipeline given a device index (``pipeline(..., device=0)``), or none for a
+  model without accelerate's device map (transformers then takes index 0), runs on superchip
+  device N, as ``torch.device(N)`` is (Note [Pipelines' device]); a model already on superchip
+  stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
+  given.
+- safetensors opens files for a superchip device (Note [Pipelines' device]
+transformers' ``Pipeline`` turns a device index into a device of the first type on its list
+that is available (``cuda:N`` whenever CUDA is, else npu, xpu, mps... else the CPU) and, given
+no device and no accelerate device map, uses index 0; then it moves the model there. So
+``pipeline("text-generation", model=model)`` with ``model`` on superchip moved it, silently,
+to the CPU (CPU executor) or to plain ``cuda:0`` (CUDA executor: a model larger than the GPU
+then fails there), and so did ``device=0``. torch reads an index as a device of its
+accelerator, superchip; the pipeline now does as well.
+
+Note [safetensors' device names]):
   ``safe_open(..., device=D)``, ``safetensors.torch.load_file(..., device=D)`` and what calls them
   (peft's ``load_peft_weights`` and ``PeftModel.from_pretrained(..., torch_device=D)``,
   accelerate's ``load_checkpoint_in_model``, huggingface_hub's ``load_torch_model``) give
@@ -291,6 +305,29 @@ def _patch_training_device() -> None:
         training_args.is_torch_bf16_gpu_available = _wrapping(is_torch_bf16_gpu_available, bf16_available)
 
 
+def _patch_pipelines() -> None:
+    from transformers.pipelines.base import Pipeline
+
+    original = Pipeline.__init__
+    if getattr(original, "_superchip", False):
+        return
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        if _superchip_accelerator():
+            bound = signature.bind(self, *args, **kwargs)
+            device = bound.arguments.get("device")
+            model = bound.arguments.get("model")
+            if device is None and getattr(model, "hf_device_map", None) is None:
+                device = 0  # transformers' own choice then
+            if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+                bound.arguments["device"] = torch.device("superchip", device)
+                args, kwargs = bound.args[1:], bound.kwargs
+        original(self, *args, **kwargs)
+
+    Pipeline.__init__ = _wrapping(__init__, original)
+
+
 def _safetensors_device(device):
     """A superchip device as safetensors can take it, its index (Note [safetensors' device
     names]); any other device as given."""
@@ -331,5 +368,7 @@ def install() -> None:
                  "accelerate's processes on superchip could not be made a distributed run")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
+    after_import("transformers.pipelines.base", _patch_pipelines,
+                 "transformers' pipelines could not be given superchip's device")
     after_import("safetensors", _patch_safetensors,
                  "safetensors could not be given superchip's device names")

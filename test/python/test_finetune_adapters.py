@@ -198,6 +198,43 @@ def test_trainer_bf16_trains_on_superchip_with_the_cpus_bits():
         assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(out["losses"], out["cpu"])), out
 
 
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(125)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+
+
+def test_pipelines_run_on_superchip_as_torch_reads_a_device_index():
+    # Note [Pipelines' device] (superchip/_huggingface.py): a pipeline maps a device index (and
+    # no device, as index 0) to cuda:N or else the CPU and moves the model there, so a model on
+    # superchip handed to pipeline() was moved to the CPU (CPU executor) or to plain cuda:0.
+    tokenizer = _word_tokenizer()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=1)
+    model = transformers.LlamaForCausalLM(cfg)
+    generate = lambda p: p("w1 w2 w3", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    want = generate(transformers.pipeline("text-generation", model=copy.deepcopy(model), tokenizer=tokenizer,
+                                          device="cpu"))
+    placed = copy.deepcopy(model).to(DEVICE)
+    cases = dict(model_on_superchip=dict(model=placed), index=dict(model=copy.deepcopy(model), device=0),
+                 cpu_index=dict(model=copy.deepcopy(model), device=-1), cpu=dict(model=copy.deepcopy(model), device="cpu"))
+    got = {}
+    for name, kw in cases.items():
+        p = transformers.pipeline("text-generation", tokenizer=tokenizer, **kw)
+        got[name] = (str(p.device), next(p.model.parameters()).device.type, generate(p))
+    assert got["model_on_superchip"][:2] == ("superchip:0", "superchip"), got
+    assert next(placed.parameters()).device.type == "superchip", got  # not moved away
+    assert got["index"][:2] == ("superchip:0", "superchip"), got
+    assert got["cpu_index"][:2] == ("cpu", "cpu") and got["cpu"][:2] == ("cpu", "cpu"), got
+    if superchip.executor() == "cpu":
+        assert all(text == want for _, _, text in got.values()), (got, want)
+
+
 _TRAINER_RANK = """
 import json, os, sys
 os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
