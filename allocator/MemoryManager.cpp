@@ -144,8 +144,9 @@ void MemoryManager::throw_both_full(size_t nbytes, const OutOfTierMemory& host_e
   } else {
     advice = std::string("Free tensors, call superchip.empty_cache(), or raise a budget (") + budgets + ").";
   }
-  throw OutOfTierMemory("superchip: out of memory in both tiers of superchip:" +
-                            std::to_string(impl_->config.device_index) + ": tried to allocate " +
+  // "out of memory.": Note [The words "out of memory."] in TierAllocator.cpp.
+  throw OutOfTierMemory("superchip: out of memory. Neither tier of superchip:" +
+                            std::to_string(impl_->config.device_index) + " can take it: tried to allocate " +
                             format_bytes(nbytes) + "; hbm: " + hbm_state + "; host: " + host_error.state() +
                             ". " + advice,
                         Tier::kHost, nbytes, host_error.system(), host_error.state(), advice);

@@ -220,8 +220,13 @@ void TierAllocator::throw_oom(size_t requested, bool backing_exhausted, const st
     if (hbm) advice += "move tensors to the host tier with superchip.move_to_tier(t, \"host\"), ";
     advice += std::string("or raise ") + (hbm ? "SUPERCHIP_HBM_BYTES." : "SUPERCHIP_HOST_BYTES.");
   }
-  const std::string msg = std::string("superchip: out of memory in tier '") + tier_name(tier_) +
-                          "' of superchip:" + std::to_string(device_index_) + ": tried to allocate " +
+  // Note [The words "out of memory."]: the message says "out of memory." as CUDA's ("CUDA out
+  // of memory. Tried to allocate ...") and XPU's do, because tools decide by those words whether
+  // a smaller batch may fit: accelerate's find_executable_batch_size (Trainer's
+  // auto_find_batch_size) retries only when an error's text holds " out of memory.", and with
+  // "out of memory in tier ..." it gave up at the first batch size that did not fit.
+  const std::string msg = std::string("superchip: out of memory. Tier '") + tier_name(tier_) +
+                          "' of superchip:" + std::to_string(device_index_) + " cannot take it: tried to allocate " +
                           format_bytes(requested) + " (" + state + "). " + advice;
   throw OutOfTierMemory(msg, tier_, requested, backing_exhausted, std::move(state), std::move(advice));
 }

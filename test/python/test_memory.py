@@ -360,12 +360,43 @@ def test_a_host_tensor_resized_past_host_goes_to_hbm(hbm_capacity, host_capacity
     assert superchip.tier_of(u) == "host" and u[:1024].abs().sum().item() == 0
     superchip.set_capacity("hbm", stats()["hbm.allocated_bytes"] + MiB)
     before = (t.shape, superchip.tier_of(u))
-    with pytest.raises(torch.OutOfMemoryError, match="out of memory in both tiers"):
+    with pytest.raises(torch.OutOfMemoryError, match="Neither tier of superchip:0 can take it"):
         u.untyped_storage().resize_(8 * MiB)
     # The device's error, as torch.cuda counts it (it read 0: only host counted it).
     assert torch.accelerator.memory_stats()["num_ooms"] == ooms[1] + 1
     assert (t.shape, superchip.tier_of(u), u.untyped_storage().nbytes()) == before + (2048 * 4,)
     del t, view, u
+
+
+def test_a_batch_too_large_for_both_tiers_is_retried_smaller_by_accelerate(hbm_capacity, host_capacity):
+    # Note [The words "out of memory."] (allocator/TierAllocator.cpp): accelerate's
+    # find_executable_batch_size (Trainer's auto_find_batch_size) retries a smaller batch only
+    # when the error's text says " out of memory." as CUDA's does; superchip's said "out of
+    # memory in both tiers", and the search gave up at the first batch size.
+    memory = pytest.importorskip("accelerate.utils.memory")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(DEVICE)
+    superchip.set_capacity("hbm", stats()["hbm.allocated_bytes"] + MiB)
+    superchip.set_capacity("host", stats()["host.allocated_bytes"] + 2 * MiB)
+    before = (stats()["hbm.allocated_bytes"], stats()["host.allocated_bytes"])
+    tried = []
+
+    @memory.find_executable_batch_size(starting_batch_size=4096, reduce_batch_size_fn=lambda: tried[-1] // 2)
+    def step(batch_size):
+        tried.append(batch_size)
+        x = torch.randn(batch_size, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return batch_size
+
+    fitted = step()
+    # 4096 rows of activations (4 MiB each, several of them) fit neither tier; the halvings do.
+    assert tried[0] == 4096 and fitted == tried[-1] < 4096 and tried == [4096 >> i for i in range(len(tried))], tried
+    gc.collect()
+    assert (stats()["hbm.allocated_bytes"], stats()["host.allocated_bytes"]) == before
+    with pytest.raises(torch.OutOfMemoryError) as exc:  # a tier's own error (move_to_tier) reads so too
+        superchip.move_to_tier(torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE), "hbm")
+    assert memory.should_reduce_batch_size(exc.value), str(exc.value)
 
 
 def test_oom_error_message_state_and_recovery(hbm_capacity, host_capacity):
@@ -379,7 +410,7 @@ def test_oom_error_message_state_and_recovery(hbm_capacity, host_capacity):
     with pytest.raises(torch.OutOfMemoryError) as exc:
         torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
     msg = str(exc.value)
-    assert "out of memory in both tiers of superchip:0" in msg, msg
+    assert "Neither tier of superchip:0 can take it" in msg, msg
     assert "tried to allocate 3.00 MiB" in msg, msg
     assert f"hbm: capacity {_fmt_mib(capacity)}" in msg, msg
     assert f"{_fmt_mib(used + 6 * MiB)} allocated by tensors" in msg, msg
@@ -419,7 +450,7 @@ def test_oom_from_an_op_output(hbm_capacity, host_capacity):
     assert superchip.tier_of(b) == "host" and b[0].item() == 2.0
     del b
     superchip.set_capacity("host", stats()["host.allocated_bytes"] + MiB)
-    with pytest.raises(torch.OutOfMemoryError, match="both tiers"):
+    with pytest.raises(torch.OutOfMemoryError, match="Neither tier of superchip:0 can take it"):
         a * 2
     torch.testing.assert_close(a[:5].cpu(), torch.ones(5))
     a.mul_(2)  # in-place needs no new memory
@@ -545,7 +576,7 @@ def test_oom_in_move_to_tier_leaves_tensor_in_place(hbm_capacity):
     superchip.set_capacity("hbm", used + MiB)
     before = stats()
     ptr = t.data_ptr()
-    with pytest.raises(torch.OutOfMemoryError, match="tier 'hbm'"):
+    with pytest.raises(torch.OutOfMemoryError, match="Tier 'hbm'"):
         superchip.move_to_tier(t, "hbm")
     assert superchip.tier_of(t) == "host"
     assert t.data_ptr() == ptr
@@ -564,7 +595,7 @@ def test_host_capacity_limit(hbm_capacity):
     t = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
     try:
         superchip.set_capacity("host", stats()["host.allocated_bytes"] + MiB)
-        with pytest.raises(torch.OutOfMemoryError, match="tier 'host'"):
+        with pytest.raises(torch.OutOfMemoryError, match="Tier 'host'"):
             superchip.move_to_tier(t, "host")
         assert superchip.tier_of(t) == "hbm"
     finally:
@@ -700,7 +731,7 @@ print(json.dumps(dict(msg=msg, placed=placed, host=host, again=len(layers),
     assert r.returncode == 0, f"rc {r.returncode} (-9: killed by the kernel)\n{r.stdout}\n{r.stderr}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
     msg = out["msg"]
-    assert "out of memory in both tiers of superchip:0: tried to allocate 64.00 MiB" in msg, msg
+    assert "Neither tier of superchip:0 can take it: tried to allocate 64.00 MiB" in msg, msg
     assert "; host: capacity unlimited" in msg, msg
     assert "this machine cannot hold it" in msg and "memory cgroup /" in msg, msg
     assert "limit 1.50 GiB" in msg and "SUPERCHIP_HOST_MEMORY_CHECK=0" in msg, msg

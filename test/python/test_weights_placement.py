@@ -153,7 +153,7 @@ def test_both_tiers_full_names_both_and_changes_nothing():
         print(json.dumps(dict(msg=msg, unchanged=all(before[k] == after[k] for k in keep))))
     """, hbm="4M", host="16M")
     msg = r["msg"]
-    assert msg is not None and "out of memory in both tiers of superchip:0" in msg, r
+    assert msg is not None and "Neither tier of superchip:0 can take it" in msg, r
     assert "tried to allocate 64.00 MiB" in msg and "hbm: capacity 4.00 MiB" in msg, r
     assert "; host: capacity 16.00 MiB" in msg, r
     assert r["unchanged"], r

@@ -233,7 +233,7 @@ TEST(HostMemory, TheHostTierRefusesWhatTheMachineCannotHold) {
     const std::string msg = e.what();
     EXPECT_TRUE(e.system());
     EXPECT_EQ(e.tier(), Tier::kHost);
-    EXPECT_NE(msg.find("out of memory in tier 'host' of superchip:0: tried to allocate " +
+    EXPECT_NE(msg.find("Tier 'host' of superchip:0 cannot take it: tried to allocate " +
                        format_bytes(request) + " (capacity unlimited"),
               std::string::npos)
         << msg;
@@ -256,7 +256,7 @@ TEST(HostMemory, TheHostTierRefusesWhatTheMachineCannotHold) {
   } catch (const OutOfTierMemory& e) {
     const std::string msg = e.what();
     EXPECT_TRUE(e.system());
-    EXPECT_NE(msg.find("out of memory in both tiers"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Neither tier of superchip:0 can take it"), std::string::npos) << msg;
     EXPECT_NE(msg.find("this machine cannot hold it"), std::string::npos) << msg;
     EXPECT_EQ(msg.find("raise a budget"), std::string::npos) << msg;
   }

@@ -325,7 +325,7 @@ TEST(MemoryManager, OutOfMemoryMessageAndUnchangedState) {
     EXPECT_EQ(e.tier(), Tier::kHbm);
     EXPECT_EQ(e.requested(), 3 * kMiB);
     EXPECT_EQ(std::string(e.what()),
-              "superchip: out of memory in tier 'hbm' of superchip:0: tried to allocate 3.00 MiB "
+              "superchip: out of memory. Tier 'hbm' of superchip:0 cannot take it: tried to allocate 3.00 MiB "
               "(capacity 8.00 MiB, 6.00 MiB allocated by tensors, 0 B cached). Free tensors, call "
               "superchip.empty_cache(), move tensors to the host tier with "
               "superchip.move_to_tier(t, \"host\"), or raise SUPERCHIP_HBM_BYTES.");
@@ -351,7 +351,7 @@ TEST(MemoryManager, HostOutOfMemoryNamesHostVariable) {
   } catch (const OutOfTierMemory& e) {
     EXPECT_EQ(e.tier(), Tier::kHost);
     EXPECT_EQ(std::string(e.what()),
-              "superchip: out of memory in tier 'host' of superchip:3: tried to allocate 3.00 MiB "
+              "superchip: out of memory. Tier 'host' of superchip:3 cannot take it: tried to allocate 3.00 MiB "
               "(capacity 4.00 MiB, 2.00 MiB allocated by tensors, 1.00 MiB cached). Free "
               "tensors, call superchip.empty_cache(), or raise SUPERCHIP_HOST_BYTES.");
   }
@@ -622,7 +622,7 @@ TEST(Placement, BothTiersFullNamesBothAndChangesNothing) {
     FAIL() << "no error";
   } catch (const OutOfTierMemory& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("out of memory in both tiers of superchip:0: tried to allocate 2.00 MiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Neither tier of superchip:0 can take it: tried to allocate 2.00 MiB"), std::string::npos) << msg;
     EXPECT_NE(msg.find("hbm: capacity 4.00 MiB, 3.00 MiB allocated by tensors"), std::string::npos) << msg;
     EXPECT_NE(msg.find("; host: capacity 4.00 MiB, 3.00 MiB allocated by tensors"), std::string::npos) << msg;
     EXPECT_NE(msg.find("Free tensors, call superchip.empty_cache(), or raise a budget (superchip.set_capacity("),
