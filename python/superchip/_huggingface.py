@@ -5,7 +5,7 @@ superchip, and safetensors loads onto superchip.
 
 Contract
 --------
-Each holds whether superchip is imported before or after accelerate and transformers.
+Each holds whether superchip is imported before or after accelerate, transformers and safetensors.
 
 - Accelerate's ``get_max_memory``
   (what ``from_pretrained(..., device_map="auto" | "balanced" | "sequential")``,
@@ -38,16 +38,7 @@ Each holds whether superchip is imported before or after accelerate and transfor
   device N, as ``torch.device(N)`` is (Note [Pipelines' device]); a model already on superchip
   stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
   given.
-- safetensors opens files for a superchip device (Note [Pipelines' device]
-transformers' ``Pipeline`` turns a device index into a device of the first type on its list
-that is available (``cuda:N`` whenever CUDA is, else npu, xpu, mps... else the CPU) and, given
-no device and no accelerate device map, uses index 0; then it moves the model there. So
-``pipeline("text-generation", model=model)`` with ``model`` on superchip moved it, silently,
-to the CPU (CPU executor) or to plain ``cuda:0`` (CUDA executor: a model larger than the GPU
-then fails there), and so did ``device=0``. torch reads an index as a device of its
-accelerator, superchip; the pipeline now does as well.
-
-Note [safetensors' device names]):
+- safetensors opens files for a superchip device (Note [safetensors' device names]):
   ``safe_open(..., device=D)``, ``safetensors.torch.load_file(..., device=D)`` and what calls them
   (peft's ``load_peft_weights`` and ``PeftModel.from_pretrained(..., torch_device=D)``,
   accelerate's ``load_checkpoint_in_model``, huggingface_hub's ``load_torch_model``) give
@@ -111,6 +102,15 @@ accelerate's own MULTI_CPU mode, ``superchip.optim.AdamW`` with the engine gives
 ``overlap=False`` bits, and FSDP2 (half of each parameter per rank) and FSDP1 give DDP's
 losses to 1e-6 and FSDP2 its weights to 4e-9, the rounding of a reduce-scatter that divides
 before it sums (``test_finetune_adapters.py``).
+
+Note [Pipelines' device]
+transformers' ``Pipeline`` turns a device index into a device of the first type on its list
+that is available (``cuda:N`` whenever CUDA is, else npu, xpu, mps... else the CPU) and, given
+no device and no accelerate device map, uses index 0; then it moves the model there. So
+``pipeline("text-generation", model=model)`` with ``model`` on superchip moved it, silently,
+to the CPU (CPU executor) or to plain ``cuda:0`` (CUDA executor: a model larger than the GPU
+then fails there), and so did ``device=0``. torch reads an index as a device of its
+accelerator, superchip; the pipeline now does as well.
 
 Note [safetensors' device names]
 safetensors' core (Rust) takes a device as one of the names it lists (cpu, cuda, mps, npu,
