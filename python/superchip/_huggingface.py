@@ -1,7 +1,7 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
 place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does,
-accelerate runs superchip processes under torchrun as one data-parallel job, pipelines run on
-superchip, and safetensors loads onto superchip.
+accelerate runs superchip processes under torchrun as one data-parallel job, ``from_pretrained``
+allocates only the weights, pipelines run on superchip, and safetensors loads onto superchip.
 
 Contract
 --------
@@ -33,9 +33,26 @@ Each holds whether superchip is imported before or after accelerate, transformer
   FSDP plugin, ``Trainer(fsdp=...)``, ``ACCELERATE_USE_FSDP``), the state is accelerate's FSDP
   mode instead, version 1 or 2, as on CUDA; its Megatron-LM mode and context parallelism raise a
   ValueError saying so (they would silently have run DDP), leaving no state behind.
+- ``from_pretrained`` onto superchip allocates only the model's tensors: transformers'
+  caching-allocator warm-up (one model-sized block per accelerator before the weights load)
+  skips superchip devices, as it skips MPS and Neuron (Note [No allocator warm-up]).
 - A transformers pipeline given a device index (``pipeline(..., device=0)``), or none for a
   model without accelerate's device map (transformers then takes index 0), runs on superchip
-  device N, as ``torch.device(N)`` is (Note [Pipelines' device]); a model already on superchip
+  device N, as ``torch.device(N)`` is (Note [No allocator warm-up]
+Before it loads the weights, ``from_pretrained`` allocates and frees, on each accelerator of
+the device map, one float16 block as large as the weights that go there, so that CUDA's
+caching allocator then serves every weight from one cached segment. superchip's tiers do not
+split a cached block for smaller requests, so the block bought nothing and cost a model's
+worth of memory: loading a 485 MiB bf16 Llama with ``device_map="superchip"`` left hbm with
+970 MiB reserved for 485 MiB of weights (no budget), and with a 200 MiB hbm budget the block
+went to host, whose peak was the whole model (485 MiB) and which kept 811 MiB reserved for
+326 MiB of weights; with the host tier pinned (the CUDA executor) the block is also pinned
+page by page, seconds for a large model. For a model sized to the machine (the reason to use
+superchip) the cached block was a second copy of the model in reserve until memory ran short.
+transformers skips the warm-up for MPS and Neuron for like reasons; superchip devices are
+taken out of the map it is given.
+
+Note [Pipelines' device]); a model already on superchip
   stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
   given.
 - safetensors opens files for a superchip device (Note [safetensors' device names]):
@@ -305,6 +322,27 @@ def _patch_training_device() -> None:
         training_args.is_torch_bf16_gpu_available = _wrapping(is_torch_bf16_gpu_available, bf16_available)
 
 
+def _is_superchip(device) -> bool:
+    try:
+        return torch.device(device).type == "superchip"
+    except (RuntimeError, TypeError):  # "disk" and other names of accelerate's maps
+        return False
+
+
+def _patch_allocator_warmup() -> None:
+    import transformers.modeling_utils as modeling_utils
+
+    original = getattr(modeling_utils, "caching_allocator_warmup", None)
+    if original is None or getattr(original, "_superchip", False):
+        return
+
+    def caching_allocator_warmup(model, expanded_device_map, *args, **kwargs):
+        others = {name: device for name, device in expanded_device_map.items() if not _is_superchip(device)}
+        return original(model, others, *args, **kwargs)
+
+    modeling_utils.caching_allocator_warmup = _wrapping(caching_allocator_warmup, original)
+
+
 def _patch_pipelines() -> None:
     from transformers.pipelines.base import Pipeline
 
@@ -368,6 +406,8 @@ def install() -> None:
                  "accelerate's processes on superchip could not be made a distributed run")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
+    after_import("transformers.modeling_utils", _patch_allocator_warmup,
+                 "transformers' allocator warm-up could not be kept off superchip")
     after_import("transformers.pipelines.base", _patch_pipelines,
                  "transformers' pipelines could not be given superchip's device")
     after_import("safetensors", _patch_safetensors,

@@ -229,6 +229,36 @@ def test_device_map_auto_puts_a_model_larger_than_hbm_on_superchip_whole(tmp_pat
     assert out["room"] - 4096 <= out["accelerate"] <= out["room"], out
 
 
+def test_from_pretrained_onto_superchip_allocates_only_the_weights(tmp_path):
+    # Note [No allocator warm-up] (python/superchip/_huggingface.py): from_pretrained allocated
+    # and freed one model-sized block on the device before loading, for CUDA's caching
+    # allocator; on superchip it went to host past hbm's budget and stayed there cached, a
+    # second copy of the model in reserve (host peak = the model, reserved = model + weights).
+    r = _run(f"""
+        ref = llama()
+        ref.save_pretrained({str(tmp_path)!r})
+        out = {{}}
+        for how in ("superchip", "auto"):
+            superchip.empty_cache()
+            torch.superchip.reset_peak_memory_stats()
+            model = LlamaForCausalLM.from_pretrained({str(tmp_path)!r}, device_map=how, dtype=torch.float32)
+            s = superchip.memory_stats()
+            out[how] = dict(same=same_params(ref, model), weights=param_bytes(model),
+                            **{{k: s[k] for k in ("hbm.allocated_bytes", "hbm.reserved_bytes", "host.allocated_bytes",
+                                                 "host.reserved_bytes", "host.peak_allocated_bytes")}})
+            del model
+        print(json.dumps(out))
+    """, hbm="1M")
+    for how, o in r.items():
+        assert o["same"] and o["host.allocated_bytes"] > 0, (how, r)
+        # Every reserved byte holds a weight (block rounding aside), and host never held more
+        # than the weights it keeps.
+        held = o["hbm.allocated_bytes"] + o["host.allocated_bytes"]
+        assert o["weights"] <= held <= o["weights"] + 64 * (128 << 10), (how, r)
+        assert o["hbm.reserved_bytes"] + o["host.reserved_bytes"] <= held + (1 << 20), (how, r)
+        assert o["host.peak_allocated_bytes"] <= o["host.allocated_bytes"] + (1 << 20), (how, r)
+
+
 _STREAM = """
     import copy
     def train(model, opt, steps, seed=1):
