@@ -1,7 +1,8 @@
 """Hugging Face's device choices, answered for superchip: accelerate's automatic device maps
 place a model on superchip whole, ``Trainer`` trains on superchip as accelerate does,
 accelerate runs superchip processes under torchrun as one data-parallel job, ``from_pretrained``
-allocates only the weights, pipelines run on superchip, and safetensors loads onto superchip.
+allocates only the weights, offloaded KV caches and pipelines run on superchip, and safetensors
+loads onto superchip.
 
 Contract
 --------
@@ -36,6 +37,10 @@ Each holds whether superchip is imported before or after accelerate, transformer
 - ``from_pretrained`` onto superchip allocates only the model's tensors: transformers'
   caching-allocator warm-up (one model-sized block per accelerator before the weights load)
   skips superchip devices, as it skips MPS and Neuron (Note [No allocator warm-up]).
+- ``generate(..., cache_implementation="offloaded" | "offloaded_static")`` (and a cache made
+  with ``offloading=True``) on superchip offloads as on CUDA: each layer's keys and values go
+  to the CPU after its update and the next layer's come back on a side stream, ordered by
+  superchip's streams where transformers names CUDA's default stream (Note [Offloaded caches]).
 - A transformers pipeline given a device index (``pipeline(..., device=0)``), or none for a
   model without accelerate's device map (transformers then takes index 0), runs on superchip
   device N, as ``torch.device(N)`` is (Note [No allocator warm-up]
@@ -51,6 +56,19 @@ page by page, seconds for a large model. For a model sized to the machine (the r
 superchip) the cached block was a second copy of the model in reserve until memory ran short.
 transformers skips the warm-up for MPS and Neuron for like reasons; superchip devices are
 taken out of the map it is given.
+
+Note [Offloaded caches]
+transformers' offloaded KV caches (``generate(..., cache_implementation="offloaded")``, the
+memory saver for long generations) order their copies with ``torch.cuda.default_stream(device)``,
+whatever the device: on superchip the first update raised "Torch not compiled with CUDA
+enabled" (CPU executor; the CUDA executor's ``torch.cuda`` refuses a superchip device too). The
+cache's side stream is already the accelerator's (``torch.Stream()``, superchip's). For a
+superchip device, ``Cache.update`` runs transformers' offloading steps itself with
+``torch.accelerator.current_stream(device)`` in place of CUDA's default stream: wait for the
+prefetch, make the prefetch wait for the compute, prefetch the next offloaded layer, update,
+offload this one (to the CPU, as asked: not to superchip's host tier). Greedy generation gives
+the dynamic cache's tokens (the CPU's, on the CPU executor), with the offloaded layers' keys on
+the CPU afterwards.
 
 Note [Pipelines' device]); a model already on superchip
   stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
@@ -343,6 +361,36 @@ def _patch_allocator_warmup() -> None:
     modeling_utils.caching_allocator_warmup = _wrapping(caching_allocator_warmup, original)
 
 
+def _patch_cache_offloading() -> None:
+    from transformers.cache_utils import Cache
+
+    original = Cache.update
+    if getattr(original, "_superchip", False) or not all(hasattr(Cache, m) for m in ("prefetch", "offload")):
+        return
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not (getattr(self, "offloading", False) and key_states.device.type == "superchip"):
+            return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        # transformers' offloading steps (Note [Offloaded caches]), with the device's streams
+        # where transformers names CUDA's default stream.
+        replicate = getattr(self, "layer_class_to_replicate", None)
+        while replicate is not None and len(self.layers) <= layer_idx:
+            self.layers.append(replicate())
+        stream = torch.accelerator.current_stream(key_states.device)
+        stream.wait_stream(self.prefetch_stream)
+        self.prefetch_stream.wait_stream(stream)
+        self.prefetch(layer_idx + 1, self.only_non_sliding)
+        self.offloading = False  # the layer's own update, without transformers' CUDA calls
+        try:
+            keys, values = original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        finally:
+            self.offloading = True
+        self.offload(layer_idx, self.only_non_sliding)
+        return keys, values
+
+    Cache.update = _wrapping(update, original)
+
+
 def _patch_pipelines() -> None:
     from transformers.pipelines.base import Pipeline
 
@@ -408,6 +456,8 @@ def install() -> None:
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
     after_import("transformers.modeling_utils", _patch_allocator_warmup,
                  "transformers' allocator warm-up could not be kept off superchip")
+    after_import("transformers.cache_utils", _patch_cache_offloading,
+                 "transformers' offloaded caches could not be given superchip's streams")
     after_import("transformers.pipelines.base", _patch_pipelines,
                  "transformers' pipelines could not be given superchip's device")
     after_import("safetensors", _patch_safetensors,

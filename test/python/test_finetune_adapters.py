@@ -235,6 +235,30 @@ def test_pipelines_run_on_superchip_as_torch_reads_a_device_index():
         assert all(text == want for _, _, text in got.values()), (got, want)
 
 
+@pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
+def test_offloaded_kv_caches_generate_on_superchip(cache):
+    # Note [Offloaded caches] (superchip/_huggingface.py): transformers orders the offloaded
+    # cache's copies with torch.cuda.default_stream(device) for any device, and generation on
+    # superchip raised "Torch not compiled with CUDA enabled".
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    model = model.to(DEVICE)
+    kept = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=9, do_sample=False,
+                          pad_token_id=0)
+    out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=9, do_sample=False,
+                         pad_token_id=0, cache_implementation=cache, return_dict_in_generate=True)
+    assert torch.equal(out.sequences.cpu(), kept.cpu())
+    if superchip.executor() == "cpu":
+        assert torch.equal(out.sequences.cpu(), want)
+    # The last update was layer 2's: layers 1 and 2 are offloaded, layer 0 prefetched back.
+    assert [layer.keys.device.type for layer in out.cache.layers] == ["superchip", "cpu", "cpu"]
+
+
 _TRAINER_RANK = """
 import json, os, sys
 os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
