@@ -219,6 +219,12 @@ from . import _huggingface  # noqa: E402
 
 _huggingface.install()
 
+# Lightning's Trainer and Fabric take accelerator="superchip" (and "auto" picks it), with
+# mixed precision and DDP on it, when lightning loads (_lightning.py).
+from . import _lightning  # noqa: E402
+
+_lightning.install()
+
 __all__ = [
     "memory_stats",
     "tier_of",
