@@ -5,8 +5,10 @@ Contract
 --------
 Each holds whether superchip is imported before or after lightning.
 
-- An accelerator named ``"superchip"`` (``SuperchipAccelerator``, ``accelerator_class("pytorch" |
-  "fabric")``) is in lightning.pytorch's and lightning.fabric's registries: ``Trainer(accelerator="superchip", devices=...)`` and
+- An accelerator named ``"superchip"`` (``SuperchipAccelerator``, ``accelerator_class(package)``)
+  is in the registries of lightning.pytorch and lightning.fabric (and of the packages
+  ``pytorch_lightning`` and ``lightning_fabric``, where those are installed):
+  ``Trainer(accelerator="superchip", devices=...)`` and
   ``Fabric(accelerator="superchip", ...)``. ``devices`` is a count (the first N superchip
   devices), a list of indices, ``-1`` (all) or ``"auto"`` (all); an index past
   ``torch.superchip.device_count()`` raises naming the count.
@@ -120,17 +122,22 @@ class _Superchip:
         accelerator_registry.register("superchip", cls, description=cls.__name__)
 
 
+# Lightning ships as one package (lightning.pytorch, lightning.fabric) and as two
+# (pytorch_lightning, lightning_fabric), with the same modules under each name.
+_TRAINER_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+_FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
+
 _CLASSES: dict[str, type] = {}
 
 
-def accelerator_class(package: str = "pytorch") -> type:
-    """``SuperchipAccelerator`` for ``lightning.pytorch`` (Trainer) or ``lightning.fabric``."""
+def accelerator_class(package: str = "lightning.pytorch") -> type:
+    """``SuperchipAccelerator`` for one of Lightning's packages (``lightning.pytorch``,
+    ``lightning.fabric``, ``pytorch_lightning``, ``lightning_fabric``)."""
     if package not in _CLASSES:
-        if package == "pytorch":
-            from lightning.pytorch.accelerators import Accelerator
-        else:
-            from lightning.fabric.accelerators import Accelerator
-        _CLASSES[package] = type("SuperchipAccelerator", (_Superchip, Accelerator),
+        import importlib
+
+        base = importlib.import_module(f"{package}.accelerators").Accelerator
+        _CLASSES[package] = type("SuperchipAccelerator", (_Superchip, base),
                                  {"__doc__": "Lightning's accelerator for the superchip device.",
                                   "__module__": __name__})
     return _CLASSES[package]
@@ -184,9 +191,10 @@ def _patch_connector(connector_cls) -> None:
     connector_cls._check_and_init_precision = _mark(_check_and_init_precision, init_precision)
 
 
-def _patch_backend() -> None:
-    import lightning.fabric.utilities.distributed as distributed
+def _patch_backend(fabric: str) -> None:
+    import importlib
 
+    distributed = importlib.import_module(f"{fabric}.utilities.distributed")
     original = distributed._get_default_process_group_backend_for_device
     if getattr(original, "_superchip", False):
         return
@@ -219,37 +227,38 @@ def _patch_ddp_device_ids(strategy_cls, method: str) -> None:
     setattr(strategy_cls, method, _mark(determine, original))
 
 
-def _patch_pytorch() -> None:
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+def _patch_trainer(package: str) -> None:
+    import importlib
 
-    if "superchip" not in AcceleratorRegistry:
-        accelerator_class("pytorch").register_accelerators(AcceleratorRegistry)
-    _patch_connector(_AcceleratorConnector)
-    _patch_backend()
-    from lightning.pytorch.strategies import DDPStrategy
+    registry = importlib.import_module(f"{package}.accelerators").AcceleratorRegistry
+    connector = importlib.import_module(f"{package}.trainer.connectors.accelerator_connector")
+    if "superchip" not in registry:
+        accelerator_class(package).register_accelerators(registry)
+    _patch_connector(connector._AcceleratorConnector)
+    _patch_backend("lightning.fabric" if package == "lightning.pytorch" else "lightning_fabric")
+    _patch_ddp_device_ids(importlib.import_module(f"{package}.strategies").DDPStrategy, "determine_ddp_device_ids")
 
-    _patch_ddp_device_ids(DDPStrategy, "determine_ddp_device_ids")
 
+def _patch_fabric(package: str) -> None:
+    import importlib
 
-def _patch_fabric() -> None:
-    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
-    from lightning.fabric.connector import _Connector
-
-    if "superchip" not in ACCELERATOR_REGISTRY:
-        accelerator_class("fabric").register_accelerators(ACCELERATOR_REGISTRY)
-    _patch_connector(_Connector)
-    _patch_backend()
-    from lightning.fabric.strategies import DDPStrategy
-
-    _patch_ddp_device_ids(DDPStrategy, "_determine_ddp_device_ids")
+    registry = importlib.import_module(f"{package}.accelerators").ACCELERATOR_REGISTRY
+    if "superchip" not in registry:
+        accelerator_class(package).register_accelerators(registry)
+    _patch_connector(importlib.import_module(f"{package}.connector")._Connector)
+    _patch_backend(package)
+    _patch_ddp_device_ids(importlib.import_module(f"{package}.strategies").DDPStrategy, "_determine_ddp_device_ids")
 
 
 def install() -> None:
     """Registers superchip with Lightning now if it is loaded, else right after it loads."""
+    import functools
+
     from ._after_import import after_import
 
-    after_import("lightning.pytorch.trainer.connectors.accelerator_connector", _patch_pytorch,
-                 "Lightning's Trainer could not be given the superchip accelerator")
-    after_import("lightning.fabric.connector", _patch_fabric,
-                 "Lightning's Fabric could not be given the superchip accelerator")
+    for package in _TRAINER_PACKAGES:
+        after_import(f"{package}.trainer.connectors.accelerator_connector", functools.partial(_patch_trainer, package),
+                     f"{package}'s Trainer could not be given the superchip accelerator")
+    for package in _FABRIC_PACKAGES:
+        after_import(f"{package}.connector", functools.partial(_patch_fabric, package),
+                     f"{package}'s Fabric could not be given the superchip accelerator")
