@@ -24,7 +24,10 @@ Each holds whether superchip is imported before or after lightning.
   torch.distributed runs it on superchip; Lightning passes ids, with a CUDA stream, for any
   device but the CPU).
 - ``get_device_stats`` is ``superchip.memory_stats()`` (both tiers), what Lightning's
-  ``DeviceStatsMonitor`` logs.
+  ``DeviceStatsMonitor`` logs. The accelerator pickles (``strategy="ddp_spawn"``).
+- Lightning's FSDP and DeepSpeed strategies stay refused by Lightning itself ("requires a GPU
+  accelerator"); torch's FSDP2 on superchip modules, or transformers' ``Trainer(fsdp=...)``,
+  shard instead.
 
 Note [Lightning's accelerator]
 Lightning knows a fixed set of accelerators (CPU, CUDA, MPS, XLA) and chooses among them for
@@ -128,6 +131,10 @@ _TRAINER_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
 _CLASSES: dict[str, type] = {}
+# Each package's class by the name it is found under here (pickle finds a class by its module and
+# name: ddp_spawn sends the accelerator to its processes).
+_NAMES = {"lightning.pytorch": "SuperchipAccelerator", "lightning.fabric": "SuperchipFabricAccelerator",
+          "pytorch_lightning": "SuperchipPLAccelerator", "lightning_fabric": "SuperchipLFAccelerator"}
 
 
 def accelerator_class(package: str = "lightning.pytorch") -> type:
@@ -137,10 +144,18 @@ def accelerator_class(package: str = "lightning.pytorch") -> type:
         import importlib
 
         base = importlib.import_module(f"{package}.accelerators").Accelerator
-        _CLASSES[package] = type("SuperchipAccelerator", (_Superchip, base),
-                                 {"__doc__": "Lightning's accelerator for the superchip device.",
-                                  "__module__": __name__})
+        name = _NAMES[package]
+        _CLASSES[package] = type(name, (_Superchip, base),
+                                 {"__doc__": f"{package}'s accelerator for the superchip device.",
+                                  "__module__": __name__, "__qualname__": name})
     return _CLASSES[package]
+
+
+def __getattr__(name: str):
+    for package, class_name in _NAMES.items():
+        if name == class_name:
+            return accelerator_class(package)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_superchip(connector) -> bool:

@@ -108,6 +108,19 @@ def test_fabric_runs_on_superchip_with_the_cpus_bits(precision):
             assert all(torch.equal(a, b) for a, b in zip(want, got)), accelerator
 
 
+def test_the_accelerator_pickles_for_spawned_processes():
+    # strategy="ddp_spawn" pickles the accelerator for its processes; the class is made at run
+    # time and was not found by name ("Can't pickle <class ...SuperchipAccelerator>").
+    import pickle
+
+    import lightning.fabric
+
+    for accelerator in (L.Trainer(accelerator="superchip", logger=False).accelerator,
+                        lightning.fabric.Fabric(accelerator="superchip").accelerator):
+        again = pickle.loads(pickle.dumps(accelerator))
+        assert type(again) is type(accelerator) and again.name() == "superchip"
+
+
 @pytest.mark.skipif(torch.superchip.device_count() != 1, reason="counts one device")
 def test_devices_past_the_count_are_refused_by_name():
     with pytest.raises(ValueError, match=r"names superchip device\(s\) \[1\] but this process has 1"):
