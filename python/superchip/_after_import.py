@@ -13,6 +13,10 @@ Contract
   left. A query that finds the module without executing it (``importlib.util.find_spec``)
   leaves its actions pending. Not thread-safe against concurrent first imports of the same module (Python's import
   lock serialises them anyway).
+- ``wrapping(new, old)`` marks a patch as superchip's (``new._superchip``, ``new.__wrapped__``),
+  so that an action run twice applies it once; ``rebind(name, old, new)`` points every loaded
+  module's global ``name`` that is ``old`` at ``new`` (for functions other modules import by
+  name before superchip patches them).
 """
 
 from __future__ import annotations
@@ -74,3 +78,20 @@ def after_import(name: str, action: Callable[[], None], failure: str) -> None:
     _PENDING.setdefault(name, []).append((action, failure))
     if not any(isinstance(f, _AfterImports) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImports())
+
+
+def wrapping(new, old):
+    """Marks ``new`` as superchip's wrapper of ``old``; a patch checks ``_superchip`` on what it
+    finds, so it is applied once."""
+    new._superchip = True
+    new.__wrapped__ = old
+    return new
+
+
+def rebind(name: str, old, new) -> None:
+    """Every loaded module's global ``name`` bound to ``old`` now names ``new`` (read from each
+    module's ``__dict__``: no lazy module's ``__getattr__`` is triggered)."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict) and names.get(name) is old:
+            names[name] = new

@@ -171,17 +171,10 @@ imported before superchip). The wrapper is a function: nothing in those packages
 from __future__ import annotations
 
 import inspect
-import sys
 
 import torch
 
-
-def _wrapping(new, old):
-    """Marks ``new`` as superchip's wrapper of ``old`` (each patch checks the mark, so it is
-    applied once)."""
-    new._superchip = True
-    new.__wrapped__ = old
-    return new
+from ._after_import import rebind, wrapping as _wrapping
 
 
 def _superchip_accelerator() -> bool:
@@ -437,10 +430,7 @@ def _patch_safetensors() -> None:
     patched = _wrapping(safe_open, original)
     patched.__doc__ = original.__doc__
     # Every module's name for the original (safetensors.torch's and others' bound before now).
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict) and names.get("safe_open") is original:
-            names["safe_open"] = patched
+    rebind("safe_open", original, patched)
     safetensors.safe_open = patched
 
 

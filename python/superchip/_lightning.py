@@ -42,18 +42,12 @@ pipelines) train on it too; a script that wants the GPU itself names "cuda".
 
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from ._after_import import rebind, wrapping as _mark
 
 # The process group of superchip's processes (as _huggingface's and the README's).
 _PROCESS_GROUP_BACKEND = "cpu:gloo,superchip:sccl"
-
-
-def _mark(new, old):
-    new._superchip = True
-    new.__wrapped__ = old
-    return new
 
 
 def _parse_devices(devices) -> list[int]:
@@ -219,12 +213,9 @@ def _patch_backend(fabric: str) -> None:
             return _PROCESS_GROUP_BACKEND
         return original(device)
 
-    patched = _mark(_get_default_process_group_backend_for_device, original)
     # The strategies import the function by name: every module's binding of it.
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict) and names.get("_get_default_process_group_backend_for_device") is original:
-            names["_get_default_process_group_backend_for_device"] = patched
+    rebind("_get_default_process_group_backend_for_device", original,
+           _mark(_get_default_process_group_backend_for_device, original))
 
 
 def _patch_ddp_device_ids(strategy_cls, method: str) -> None:

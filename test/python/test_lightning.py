@@ -9,7 +9,6 @@ Needs `lightning` (scripts/setup.sh installs it).
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
