@@ -318,6 +318,8 @@ def _patch_training_device() -> None:
     patched.__set_name__(TrainingArguments, "_setup_devices")
     TrainingArguments._setup_devices = patched
 
+
+def _patch_bf16_check() -> None:
     # bf16=True: TrainingArguments asks whether "the GPU" takes bf16, from a list of device
     # types superchip is not on, and refused it ("Your setup doesn't support bf16/gpu"); the
     # device it trains on is superchip's, so superchip answers.
@@ -444,6 +446,8 @@ def install() -> None:
                  "accelerate's processes on superchip could not be made a distributed run")
     after_import("transformers.training_args", _patch_training_device,
                  "Trainer's device could not follow ACCELERATE_TORCH_DEVICE")
+    after_import("transformers.training_args", _patch_bf16_check,
+                 "TrainingArguments(bf16=True) could not be allowed on superchip")
     after_import("transformers.modeling_utils", _patch_allocator_warmup,
                  "transformers' allocator warm-up could not be kept off superchip")
     after_import("transformers.cache_utils", _patch_cache_offloading,
