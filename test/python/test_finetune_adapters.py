@@ -159,6 +159,17 @@ def test_trainer_trains_on_superchip_as_accelerate_does(cuda):
                    "other": other, "use_cpu_variable": other}, out
 
 
+# The token dataset of the Trainer runs in subprocesses: 16 rows of 16 seeded tokens.
+_TOKEN_DATA = """
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+"""
+
+
 def test_trainer_bf16_trains_on_superchip_with_the_cpus_bits():
     # TrainingArguments(bf16=True) asks transformers whether "the GPU" takes bf16, from a list of
     # device types without superchip, and raised "Your setup doesn't support bf16/gpu" (CPU
@@ -167,12 +178,7 @@ def test_trainer_bf16_trains_on_superchip_with_the_cpus_bits():
     r = run_python(textwrap.dedent("""
         import json, os, sys, tempfile, torch, transformers
         import superchip
-        class Data(torch.utils.data.Dataset):
-            def __len__(self):
-                return 8
-            def __getitem__(self, i):
-                ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
-                return {"input_ids": ids, "labels": ids}
+    """) + _TOKEN_DATA + textwrap.dedent("""
         def run(use_cpu):
             torch.manual_seed(0)
             cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -263,14 +269,7 @@ _TRAINER_RANK = """
 import json, os, sys
 os.environ["ACCELERATE_TORCH_DEVICE"] = "superchip"
 import torch, superchip, transformers
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-    def __getitem__(self, i):
-        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
+""" + _TOKEN_DATA + """
 def run(device, opt, trainer_kw=None, **kw):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
