@@ -119,6 +119,19 @@ PYBIND11_MODULE(_C, m) {
     (void)optimizer_threads_from_env();
     return register_executor_kernels();
   });
+  // Note [Other libraries' operators] (register/Registration.cpp). A registration is undone by
+  // destroy() (called by torch.library's Library, which holds it in _registration_handles) or
+  // when the Python object goes; destroy() twice is fine.
+  struct ForwardingRegistration {
+    std::unique_ptr<torch::Library> lib;
+  };
+  py::class_<ForwardingRegistration>(m, "_ForwardingRegistration")
+      .def("destroy", [](ForwardingRegistration& r) { r.lib.reset(); })
+      .def_property_readonly("alive", [](const ForwardingRegistration& r) { return r.lib != nullptr; });
+  m.def("_executor_kernel_outranked", &executor_kernel_outranked);
+  m.def("_outranked_executor_kernels", &outranked_executor_kernels);
+  m.def("_register_forwarding",
+        [](const std::string& name) { return ForwardingRegistration{register_forwarding(name)}; });
   m.def("_executor", [] { return std::string(executor_name(executor())); });
   m.def("_device_count", [] { return static_cast<int>(device_count()); });
   m.def("_current_device", [] { return static_cast<int>(current_device()); });

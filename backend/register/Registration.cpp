@@ -30,15 +30,22 @@ struct Registrar {
 };
 const Registrar registrar;
 
-// Ops whose composite kernel must stay: they create tensors on a device, change devices or
-// move bytes across them, or are the native set's own building blocks.
-bool forwardable_composite(const c10::FunctionSchema& schema) {
+// Ops taking a Device or a Storage: their composite kernel must stay, as it creates tensors
+// on a device or moves bytes across devices.
+bool takes_device_or_storage(const c10::FunctionSchema& schema) {
   for (const auto& arg : schema.arguments()) {
     c10::TypePtr t = arg.real_type();
     if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
-    if (t->kind() == c10::TypeKind::DeviceObjType) return false;
-    if (t->kind() == c10::TypeKind::StorageType) return false;
+    if (t->kind() == c10::TypeKind::DeviceObjType) return true;
+    if (t->kind() == c10::TypeKind::StorageType) return true;
   }
+  return false;
+}
+
+// Ops whose composite kernel must stay: they create tensors on a device, change devices or
+// move bytes across them, or are the native set's own building blocks.
+bool forwardable_composite(const c10::FunctionSchema& schema) {
+  if (takes_device_or_storage(schema)) return false;
   const std::string& n = schema.name();
   static const char* const kKeep[] = {"copy", "empty", "resize", "_local_scalar_dense", "item",
                                       "lift", "_pin_memory", "is_pinned", "set_", "record_stream",
@@ -168,6 +175,62 @@ int register_executor_kernels() {
     count += 3;
   }
   return count;
+}
+
+// Note [Other libraries' operators]
+// An operator another library defines (torch.library: bitsandbytes' dequantize_4bit and its
+// optimizers, torchao's, a user's custom_op) often has a kernel per device and a "default"
+// one, registered as CompositeExplicitAutograd. On superchip the default outranked the
+// forwarding fallback, so the executor's kernel never ran: bitsandbytes' 32-bit AdamW gave
+// other bits than on the CPU, and on the CUDA executor every bitsandbytes op would have run
+// its pure-torch default instead of its CUDA kernel. Such an op takes the forwarding kernel,
+// as aten's do (Note [Forwarding composite kernels]); the executor then runs whatever it
+// would run for its own tensors, its kernel or, lacking one, the same default. Operators are
+// registered at any time, so the Python side (superchip/_library.py) asks at import and after
+// each torch.library registration, and ties each forwarding registration to the lifetime of
+// the library whose registration called for it.
+namespace {
+std::optional<c10::OperatorHandle> find_op(const std::string& name) {
+  const auto colon = name.find("::");
+  if (colon == std::string::npos) return std::nullopt;
+  const auto dot = name.find('.', colon + 2);
+  c10::OperatorName op_name(name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1));
+  return c10::Dispatcher::singleton().findSchema(op_name);
+}
+}  // namespace
+
+bool executor_kernel_outranked(const std::string& name) {
+  if (name.rfind("aten::", 0) == 0) return false;  // register_executor_kernels' own
+  auto op = find_op(name);
+  if (!op.has_value()) return false;  // not defined (yet, or any more)
+  if (!op->hasKernelForDispatchKey(executor_dispatch_key())) return false;
+  if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+      !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+      !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    return false;
+  }
+  return !takes_device_or_storage(op->schema());
+}
+
+std::vector<std::string> outranked_executor_kernels() {
+  std::vector<std::string> names;
+  for (const c10::OperatorName& n : c10::Dispatcher::singleton().getAllOpNames()) {
+    const std::string name = n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+    if (!executor_kernel_outranked(name)) continue;
+    auto op = find_op(name);
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;  // superchip's own
+    names.push_back(name);
+  }
+  return names;
+}
+
+std::unique_ptr<torch::Library> register_forwarding(const std::string& name) {
+  const auto colon = name.find("::");
+  TORCH_CHECK(colon != std::string::npos, "superchip: '", name, "' is not a qualified operator name.");
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, name.substr(0, colon),
+                                              c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  lib->impl(name.substr(colon + 2).c_str(), torch::CppFunction::makeFromBoxedFunction<&forward_to_executor>());
+  return lib;
 }
 
 }  // namespace superchip

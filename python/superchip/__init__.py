@@ -33,6 +33,12 @@ if _C._executor() == "cuda":
     torch.cuda.init()
 _C._init()
 
+# Other libraries' operators (torch.library) run the executor's kernel where they also have a
+# "default" one, from now on and for those registered later (_library.py).
+from . import _library  # noqa: E402
+
+_library.install()
+
 if torch._C._get_privateuse1_backend_name() != "superchip":
     torch.utils.rename_privateuse1_backend("superchip")
     torch._register_device_module("superchip", _device_module)

@@ -1,0 +1,179 @@
+"""Operators other libraries define with torch.library (python/superchip/_library.py, Note
+[Other libraries' operators]): where an operator has a kernel for the executor's device and a
+"default" (composite) one, superchip tensors run the executor's kernel, as the executor's own
+tensors do, whenever the operator was registered. Before, the default ran on superchip: other
+bits than the executor (bitsandbytes' 32-bit AdamW) and, on the CUDA executor, a pure-torch
+fallback in place of a library's CUDA kernel.
+
+Each operator's kernels return different values per device, so the test sees which one ran:
+the executor's ("cpu" or "cuda") is the one expected.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+import superchip
+
+from helpers import run_python
+
+EXECUTOR = superchip.executor()
+ADDS = {"cpu": 1.0, "cuda": 3.0, "default": 2.0}  # what each kernel adds
+
+
+def _superchip(x):
+    return x.to("superchip")
+
+
+def test_a_custom_ops_executor_kernel_outranks_its_default():
+    @torch.library.custom_op("sc_libops::add_c", mutates_args=())
+    def add_c(x: torch.Tensor) -> torch.Tensor:
+        return x + ADDS["default"]
+
+    for device in ("cpu", "cuda"):
+        add_c.register_kernel(device)(lambda x, d=device: x + ADDS[d])
+
+    x = torch.arange(4.0)
+    assert torch.equal(add_c(x), x + ADDS["cpu"])  # plain CPU unchanged
+    assert torch.equal(add_c(_superchip(x)).cpu(), x + ADDS[EXECUTOR])
+
+
+@pytest.mark.parametrize("order", ["device-first", "default-first"])
+def test_a_librarys_executor_kernel_outranks_its_default_in_either_order(order):
+    with torch.library._scoped_library("sc_libops_order", "DEF") as lib:
+        lib.define("f(Tensor x) -> Tensor")
+        kernels = [("CPU", ADDS["cpu"]), ("CUDA", ADDS["cuda"]), ("CompositeExplicitAutograd", ADDS["default"])]
+        for key, add in kernels if order == "device-first" else kernels[::-1]:
+            lib.impl("f", lambda x, add=add: x + add, key)
+        x = torch.arange(3.0)
+        assert torch.equal(torch.ops.sc_libops_order.f(_superchip(x)).cpu(), x + ADDS[EXECUTOR])
+
+
+def test_autograd_and_mutation_through_a_forwarded_op_as_on_cpu():
+    @torch.library.custom_op("sc_libops::scale", mutates_args=())
+    def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w + ADDS["default"]
+
+    for device in ("cpu", "cuda"):
+        scale.register_kernel(device)(lambda x, w, d=device: x * w + ADDS[d])
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+    scale.register_autograd(backward, setup_context=setup)
+
+    @torch.library.custom_op("sc_libops::bump_", mutates_args=("x",))
+    def bump_(x: torch.Tensor) -> None:
+        x.add_(ADDS["default"])
+
+    def bump_by(add):
+        def kernel(x):
+            x.add_(add)
+        return kernel
+
+    for device in ("cpu", "cuda"):
+        bump_.register_kernel(device)(bump_by(ADDS[device]))
+
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(5), torch.randn(5)
+    runs = {}
+    for device in (EXECUTOR, "superchip"):  # the executor's own tensors are the reference
+        x, w = x0.to(device).detach().requires_grad_(), w0.to(device).detach().requires_grad_()
+        y = scale(x, w)
+        (y * y).sum().backward()
+        buf = torch.zeros(3, device=device)
+        version = buf._version
+        bump_(buf)
+        assert buf._version > version  # the write is seen by autograd's version counter
+        runs[device] = [t.detach().cpu() for t in (y, x.grad, w.grad, buf)]
+    assert runs["superchip"][3].eq(ADDS[EXECUTOR]).all()
+    for got, want in zip(runs["superchip"], runs[EXECUTOR]):
+        assert torch.equal(got, want)
+
+
+def test_a_superchip_kernel_registered_by_the_library_is_kept():
+    with torch.library._scoped_library("sc_libops_own", "DEF") as lib:
+        lib.define("before(Tensor x) -> Tensor")
+        lib.define("after(Tensor x) -> Tensor")
+        # Its own superchip kernel first, then the device and default ones.
+        lib.impl("before", lambda x: x + 7, "PrivateUse1")
+        for key, add in (("CPU", ADDS["cpu"]), ("CUDA", ADDS["cuda"]), ("CompositeExplicitAutograd", ADDS["default"])):
+            lib.impl("before", lambda x, add=add: x + add, key)
+            lib.impl("after", lambda x, add=add: x + add, key)
+        # ...or after them (and after superchip's forwarding kernel).
+        lib.impl("after", lambda x: x + 7, "PrivateUse1")
+        x = torch.zeros(2)
+        assert torch.equal(torch.ops.sc_libops_own.before(_superchip(x)).cpu(), x + 7)
+        assert torch.equal(torch.ops.sc_libops_own.after(_superchip(x)).cpu(), x + 7)
+
+
+def test_the_forwarding_goes_with_the_library_that_called_for_it():
+    has_superchip_kernel = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("sc_libops_scoped::f", "PrivateUse1")
+    with torch.library._scoped_library("sc_libops_scoped", "DEF") as lib:
+        lib.define("f(Tensor x) -> Tensor")
+        for key, add in (("CPU", ADDS["cpu"]), ("CUDA", ADDS["cuda"]), ("CompositeExplicitAutograd", ADDS["default"])):
+            lib.impl("f", lambda x, add=add: x + add, key)
+        assert has_superchip_kernel()
+        assert torch.equal(torch.ops.sc_libops_scoped.f(_superchip(torch.zeros(1))).cpu(), torch.tensor([ADDS[EXECUTOR]]))
+    # The name defined again, as a decomposition only: a superchip kernel left behind would
+    # take autograd's place (CompositeImplicitAutograd serves autograd only where no backend
+    # kernel exists) and the gradient would be lost.
+    with torch.library._scoped_library("sc_libops_scoped", "DEF") as lib:
+        lib.define("f(Tensor x) -> Tensor")
+        lib.impl("f", lambda x: x * 3, "CompositeImplicitAutograd")
+        assert not has_superchip_kernel()
+        x = _superchip(torch.ones(2)).requires_grad_()
+        torch.ops.sc_libops_scoped.f(x).sum().backward()
+        assert torch.equal(x.grad.cpu(), torch.full((2,), 3.0))
+
+
+def test_ops_registered_before_superchip_is_imported():
+    out = run_python(textwrap.dedent("""
+        import json, torch
+        lib = torch.library.Library("sc_libops_early", "DEF")
+        lib.define("f(Tensor x) -> Tensor")
+        lib.impl("f", lambda x: x + 1, "CPU")
+        lib.impl("f", lambda x: x + 3, "CUDA")
+        lib.impl("f", lambda x: x + 2, "CompositeExplicitAutograd")
+        import superchip
+        y = torch.ops.sc_libops_early.f(torch.zeros(1, device="superchip"))
+        print(json.dumps(y.item()))
+    """))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ADDS[EXECUTOR]
+
+
+def test_bitsandbytes_optimizer_and_4bit_layer_as_on_cpu():
+    """bitsandbytes (not in the set-up) registers a CPU and a CUDA kernel and a default one for
+    most of its operators. Its 32-bit AdamW differed from the CPU in the last bits before."""
+    bnb = pytest.importorskip("bitsandbytes")
+    if EXECUTOR != "cpu":
+        pytest.skip("compares with bitsandbytes' CPU kernels bit for bit")
+    torch.manual_seed(0)
+    w0, grads = torch.randn(4096), [torch.randn(4096) for _ in range(3)]
+    layer = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    x0 = torch.randn(4, 64, dtype=torch.bfloat16)
+    runs = {}
+    for device in ("cpu", "superchip"):
+        p = torch.nn.Parameter(w0.clone().to(device))
+        opt = bnb.optim.AdamW([p], lr=1e-2)
+        for g in grads:
+            p.grad = g.to(device)
+            opt.step()
+        q = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(layer.weight.detach().clone(), requires_grad=False, quant_type="nf4")
+        q = q.to(device).train()
+        x = x0.to(device).detach().requires_grad_()
+        y = q(x)
+        y.float().square().sum().backward()
+        runs[device] = [p.detach().cpu(), y.detach().cpu(), x.grad.cpu()]
+    for got, want in zip(runs["superchip"], runs["cpu"]):
+        assert torch.equal(got, want)
