@@ -15,7 +15,10 @@ Each holds whether superchip is imported before or after accelerate, transformer
   (``superchip.device._placement_room``), not ``hbm``'s free bytes alone. A model that fits
   the two tiers is therefore mapped to the superchip device whole (``hf_device_map == {"":
   0}``), placed in ``hbm`` and ``host`` and streamed as ``.to("superchip")`` does; only what
-  exceeds both tiers goes to accelerate's "cpu" and "disk" offload.
+  exceeds both tiers goes to accelerate's "cpu" and "disk" offload. The machine's memory, on
+  which ``host`` (and an emulated ``hbm``) draws, is counted once across every superchip device
+  and accelerate's "cpu" entry (Note [One machine under several devices]): "cpu" is what the
+  tiers leave of it, nothing when ``host`` has no budget.
 - ``max_memory`` given by the user is taken as given (accelerate reads nothing then).
 - Other devices, and accelerate without ``utils.modeling.get_accelerator_free_memory`` (it
   came with accelerate 1.16; the set-up installs 1.16), are left as accelerate has them.
@@ -98,6 +101,19 @@ and break its meaning everywhere else (batch and cache sizing read it as GPU mem
 CUDA; ``memory_allocated`` reports hbm), so the device's own figure stays hbm's, and only
 accelerate's question "how much can this device hold" gets superchip's answer.
 
+Note [One machine under several devices]
+Each superchip device's ``host`` tier (and, emulated, its ``hbm``) is the machine's memory,
+and so is accelerate's "cpu": counting the machine in each device's room and again as "cpu"
+promised what the machine did not have. Two emulated devices with 64 MiB hbm budgets under a
+1.5 GiB memory cgroup got ``{0: 1044 MiB, 1: 1044 MiB, "cpu": 20725 MiB}`` (psutil does not see
+the cgroup), and ``from_pretrained(..., device_map="auto", offload_folder=...)`` of a 1.3 GB
+Llama failed half-way with superchip's out-of-memory error on device 1, where disk offload
+would have loaded it; without superchip's host-memory check that is the kernel's OOM killer.
+With ``max_memory`` left to accelerate, the devices now share the machine's room
+(``device._placement_rooms``: each takes what its budgets allow, the others an equal share of
+the rest) and "cpu" gets what they leave, as accelerate gives integrated GPUs, which share the
+host's memory, no "cpu" entry at all.
+
 Note [Trainer's device]
 transformers' ``TrainingArguments`` picks the device of a single-process run itself, and
 ignores accelerate's (which is superchip: PrivateUse1 is torch's accelerator when registered):
@@ -171,6 +187,7 @@ imported before superchip). The wrapper is a function: nothing in those packages
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
@@ -197,6 +214,32 @@ def _patch_free_memory() -> None:
         return original(device_module, device_index)
 
     modeling.get_accelerator_free_memory = _wrapping(get_accelerator_free_memory, original)
+
+    # Note [One machine under several devices]
+    original_max = modeling.get_max_memory
+    if getattr(original_max, "_superchip", False):
+        return
+
+    def get_max_memory(max_memory=None):
+        result = original_max(max_memory)
+        if max_memory is not None or not _superchip_accelerator():
+            return result
+        from .device import _placement_rooms
+
+        devices = [k for k in result if isinstance(k, int)]
+        rooms, left = _placement_rooms(devices)
+        result.update(rooms)
+        if "cpu" in result:
+            result["cpu"] = min(result["cpu"], left)
+        return result
+
+    patched = _wrapping(get_max_memory, original_max)
+    modeling.get_max_memory = patched
+    package = sys.modules.get("accelerate.utils")  # still importing .modeling when superchip came first
+    if package is not None and package.__dict__.get("get_max_memory") is original_max:
+        package.get_max_memory = patched
+    for name in ("get_max_memory", "accelerate_max_memory"):  # transformers' name for it
+        rebind(name, original_max, patched)
 
 
 # What accelerate's process group is made with for superchip: superchip tensors through sccl,

@@ -176,33 +176,61 @@ def mem_get_info(device=None) -> tuple:
     return torch.accelerator.get_memory_info(_device_of(device))
 
 
-def _placement_room(device=None) -> int:
-    """Bytes a placement on the device can still take in both tiers (what ``.to("superchip")``
-    fills before it fails): each tier's budget less what it has allocated (its cache is given
-    back on demand), a tier without a budget what the machine can still give (Note [The
-    machine's memory]); the GPU's free memory for an hbm without one. Emulated, both tiers
-    are the machine's memory, so their sum is bounded by it. Read by accelerate's automatic
-    device maps (Note [device_map="auto" on superchip] in _huggingface.py)."""
-    idx = _index(device)
-    idx = current_device() if idx < 0 else idx
-    stats = _C._memory_stats(idx)
+def _machine_room() -> int:
+    """Bytes the machine can still give superchip's host-memory blocks: what the kernel says
+    this process can take (MemAvailable, its memory cgroup) less the reserve superchip leaves
+    the rest of the process (Note [The machine's memory])."""
     figures = _C._host_memory_figures()
     if figures is None:  # the kernel's figures cannot be read: what sysconf says is free
         import os
 
-        machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    else:
-        machine = max(0, figures["headroom"] - figures["reserve"] - figures["unwritten"])
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, figures["headroom"] - figures["reserve"] - figures["unwritten"])
 
-    def room(tier: str, unbounded: int) -> int:
-        cap = stats[f"{tier}.capacity_bytes"]
-        return max(0, cap - stats[f"{tier}.allocated_bytes"]) if cap else unbounded
 
-    host = min(room("host", machine), machine)
-    if _C._executor() == "cuda":
-        gpu_free, _ = torch.accelerator.get_memory_info(_device_of(idx))
-        return room("hbm", gpu_free) + host
-    return min(room("hbm", machine) + host, machine)
+def _placement_rooms(devices) -> tuple[dict[int, int], int]:
+    """What placements on ``devices`` (indices) can still take together in both tiers, per
+    device, and what the machine has left beside them.
+
+    Each tier's room is its budget less what it has allocated (its cache is given back on
+    demand); a tier without a budget has the machine's room. ``host`` draws on the machine, and
+    so does an emulated ``hbm``; the GPU's free memory is the room of an ``hbm`` without a budget
+    on the CUDA executor, and draws on nothing else. The machine is counted once (Note [One
+    machine under several devices]): its room is shared among the devices that draw on it,
+    each taking at most what its tiers can hold and the others an equal share of the rest."""
+    machine = _machine_room()
+    cuda = _C._executor() == "cuda"
+    own, draw = {}, {}
+    for idx in devices:
+        stats = _C._memory_stats(idx)
+
+        def room(tier: str, unbounded: int) -> int:
+            cap = stats[f"{tier}.capacity_bytes"]
+            return max(0, cap - stats[f"{tier}.allocated_bytes"]) if cap else unbounded
+
+        host = min(room("host", machine), machine)
+        if cuda:
+            gpu_free, _ = torch.accelerator.get_memory_info(_device_of(idx))
+            own[idx], draw[idx] = room("hbm", gpu_free), host
+        else:
+            own[idx], draw[idx] = 0, min(room("hbm", machine) + host, machine)
+    # Water-filling: the smallest claims are met whole, the rest share what is left evenly.
+    rooms, left = {}, machine
+    pending = sorted(draw, key=draw.get)
+    while pending:
+        idx = pending.pop(0)
+        take = min(draw[idx], left // (len(pending) + 1))
+        rooms[idx] = own[idx] + take
+        left -= take
+    return {idx: rooms[idx] for idx in devices}, left
+
+
+def _placement_room(device=None) -> int:
+    """Bytes a placement on the device can still take in both tiers (what ``.to("superchip")``
+    fills before it fails), the device alone on the machine (``_placement_rooms``)."""
+    idx = _index(device)
+    idx = current_device() if idx < 0 else idx
+    return _placement_rooms([idx])[0][idx]
 
 
 class _DeviceProperties:

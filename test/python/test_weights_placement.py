@@ -229,6 +229,44 @@ def test_device_map_auto_puts_a_model_larger_than_hbm_on_superchip_whole(tmp_pat
     assert out["room"] - 4096 <= out["accelerate"] <= out["room"], out
 
 
+def test_device_maps_count_the_machine_once(tmp_path):
+    # Note [One machine under several devices] (python/superchip/_huggingface.py): each device's
+    # room counted the whole machine, and accelerate's "cpu" counted it again, so a model larger
+    # than the machine was mapped to the devices and "cpu" and failed half-way through loading
+    # (superchip's out-of-memory error, or the kernel's OOM killer) where disk offload would
+    # have loaded it. The machine is made small here by reading its room as 3/4 of the model.
+    r = _run(f"""
+        import superchip.device
+        from accelerate.utils import get_max_memory
+        from transformers import AutoModelForCausalLM
+        ref = llama()
+        ref.save_pretrained({str(tmp_path / "model")!r})
+        machine = param_bytes(ref) * 3 // 4
+        superchip.device._machine_room = lambda: machine
+        unbudgeted = get_max_memory()
+        for budget in (64 << 10, 0):  # then no budget again
+            for d in (0, 1):
+                superchip.set_capacity("host", budget, device=d)
+            budgeted = get_max_memory() if budget else budgeted
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, device_map="auto",
+                                                     offload_folder={str(tmp_path / "offload")!r}, dtype=torch.float32)
+        placed = sorted({{str(v) for v in model.hf_device_map.values()}})
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            same = torch.equal(ref(input_ids=x).logits, model(input_ids=x.to("superchip:0")).logits.cpu())
+        print(json.dumps(dict(machine=machine, unbudgeted=unbudgeted, budgeted=budgeted, placed=placed, same=same)))
+    """, hbm="256K", env=dict(SUPERCHIP_DEVICE_COUNT="2"))
+    machine, unbudgeted, budgeted = r["machine"], r["unbudgeted"], r["budgeted"]
+    # Unbudgeted host tiers share the machine (each half of it) and leave "cpu" nothing.
+    assert unbudgeted["cpu"] == 0 and unbudgeted["0"] + unbudgeted["1"] <= machine, r
+    assert abs(unbudgeted["0"] - unbudgeted["1"]) <= 1 and unbudgeted["0"] > 0, r
+    # The model, larger than the machine, went to both devices and to disk, and computes as on CPU.
+    assert r["placed"] == ["0", "1", "disk"] and r["same"], (r, r["unbudgeted"])
+    # With budgets the devices take what those allow and "cpu" has the rest of the machine.
+    assert budgeted["0"] + budgeted["1"] + budgeted["cpu"] <= machine and budgeted["cpu"] > 0, r
+    assert budgeted["0"] <= (256 << 10) + (64 << 10), r
+
+
 def test_from_pretrained_onto_superchip_allocates_only_the_weights(tmp_path):
     # Note [No allocator warm-up] (python/superchip/_huggingface.py): from_pretrained allocated
     # and freed one model-sized block on the device before loading, for CUDA's caching
