@@ -52,8 +52,9 @@ def _check(name: str, library=None) -> None:
         return
     registration = _C._register_forwarding(name)
     _FORWARDED[name] = registration
-    if library is not None:
-        library._registration_handles.append(registration)
+    handles = getattr(library, "_registration_handles", None)  # torch 2.11-2.13 have it
+    if handles is not None:
+        handles.append(registration)
 
 
 def _check_all() -> None:
