@@ -177,3 +177,52 @@ def test_bitsandbytes_optimizer_and_4bit_layer_as_on_cpu():
         runs[device] = [p.detach().cpu(), y.detach().cpu(), x.grad.cpu()]
     for got, want in zip(runs["superchip"], runs["cpu"]):
         assert torch.equal(got, want)
+
+
+def test_an_in_place_op_on_streamed_weights_is_seen_by_the_next_pass():
+    """An optimizer-style custom op (bitsandbytes' updates are such) writing weights that live in
+    host and are streamed through hbm: every write lands in the weight, and the next forward
+    reads it, not a staged copy from before."""
+    out = run_python(textwrap.dedent("""
+        import json, torch, superchip
+
+        @torch.library.custom_op("sc_libops_stream::axpy_", mutates_args=("p",))
+        def axpy_(p: torch.Tensor, g: torch.Tensor, a: float) -> None:
+            p.add_(g, alpha=2 * a)  # the default: not what the executor runs
+
+        def axpy_kernel(p, g, a):
+            p.add_(g, alpha=a)
+
+        for device in ("cpu", "cuda"):
+            axpy_.register_kernel(device)(axpy_kernel)
+
+        def build():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+
+        def train(model, device, update):
+            for _ in range(8):
+                model(x.to(device)).square().mean().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        update(p, p.grad, -1e-3)
+                        p.grad = None
+            return [p.detach().cpu() for p in model.parameters()]
+
+        want = train(build(), "cpu", lambda p, g, a: p.add_(g, alpha=a))
+        model = build().to("superchip")
+        in_host = sum(superchip.tier_of(p) == "host" for p in model.parameters())
+        got = train(model, "superchip", axpy_)
+        err = max((a - b).abs().max().item() for a, b in zip(want, got))
+        print(json.dumps(dict(in_host=in_host, hits=superchip.stream_stats()["hits"],
+                              equal=all(torch.equal(a, b) for a, b in zip(want, got)), err=err)))
+    """), env=dict(SUPERCHIP_HBM_BYTES="1M"), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["in_host"] > 0 and r["hits"] > 0, r  # weights streamed through staged copies
+    if EXECUTOR == "cpu":
+        assert r["equal"], r
+    else:
+        assert r["err"] < 1e-5, r
