@@ -231,6 +231,12 @@ from . import _lightning  # noqa: E402
 
 _lightning.install()
 
+# bitsandbytes' paged optimizers keep their state on superchip, whose tiers do the paging
+# (_bitsandbytes.py).
+from . import _bitsandbytes  # noqa: E402
+
+_bitsandbytes.install()
+
 __all__ = [
     "memory_stats",
     "tier_of",

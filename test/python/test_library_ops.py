@@ -152,7 +152,7 @@ def test_ops_registered_before_superchip_is_imported():
 
 
 def test_bitsandbytes_optimizer_and_4bit_layer_as_on_cpu():
-    """bitsandbytes (not in the set-up) registers a CPU and a CUDA kernel and a default one for
+    """bitsandbytes (scripts/setup.sh installs it) registers a CPU and a CUDA kernel and a default one for
     most of its operators. Its 32-bit AdamW differed from the CPU in the last bits before."""
     bnb = pytest.importorskip("bitsandbytes")
     if EXECUTOR != "cpu":
@@ -226,3 +226,39 @@ def test_an_in_place_op_on_streamed_weights_is_seen_by_the_next_pass():
         assert r["equal"], r
     else:
         assert r["err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])
+def test_bitsandbytes_paged_optimizers_keep_their_state_in_superchips_tiers(name):
+    """Note [Paged optimizer state] (python/superchip/_bitsandbytes.py): for a parameter of 10^5
+    elements or more a paged optimizer allocated its state in CUDA unified memory, which failed
+    at the first step on superchip ("cget_managed_ptr not available" on the CPU executor; a CPU
+    tensor beside a superchip parameter on the CUDA executor). The state is now a superchip
+    tensor, placed by the tiers: past a small hbm budget, in host."""
+    pytest.importorskip("bitsandbytes")
+    if EXECUTOR != "cpu":
+        pytest.skip("compares with bitsandbytes' CPU kernels bit for bit")
+    out = run_python(textwrap.dedent(f"""
+        import json, torch, superchip
+        import bitsandbytes as bnb
+        torch.manual_seed(0)
+        w0, grads = torch.randn(512, 512), [torch.randn(512, 512) for _ in range(3)]
+        runs = {{}}
+        for device in ("cpu", "superchip"):
+            p = torch.nn.Parameter(w0.clone().to(device))
+            opt = bnb.optim.{name}([p], lr=1e-2)
+            for g in grads:
+                p.grad = g.to(device)
+                opt.step()
+            runs[device] = p.detach().cpu()
+            if device == "superchip":
+                state = [t for t in opt.state[p].values() if torch.is_tensor(t) and t.numel() >= 10**5]
+                tiers = sorted({{superchip.tier_of(t) for t in state}})
+        s = superchip.memory_stats()
+        print(json.dumps(dict(equal=torch.equal(runs["cpu"], runs["superchip"]), tiers=tiers, n=len(state),
+                              peak=s["hbm.peak_allocated_bytes"], budget=s["hbm.capacity_bytes"])))
+    """), env=dict(SUPERCHIP_HBM_BYTES="256K"), timeout=300)  # less than any state tensor
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["equal"] and r["n"] == 2, r
+    assert r["tiers"] == ["host"] and r["peak"] <= r["budget"], r
