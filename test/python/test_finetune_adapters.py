@@ -138,6 +138,10 @@ def test_trainer_trains_on_superchip_as_accelerate_does(cuda):
             torch.cuda.is_available = lambda: True
             torch.cuda.device_count = lambda: 2
             torch.cuda.set_device = lambda device: None
+            # bitsandbytes (which peft imports) believes it and loads its CUDA kernels, which a
+            # CPU torch lacks (AttributeError): hidden, as where it is not installed.
+            import sys
+            sys.modules["bitsandbytes"] = None
         from transformers import TrainingArguments
         import superchip
         def device(variable=None, **kw):
