@@ -30,16 +30,25 @@ struct Registrar {
 };
 const Registrar registrar;
 
-// Ops taking a Device or a Storage: their composite kernel must stay, as it creates tensors
-// on a device or moves bytes across devices.
-bool takes_device_or_storage(const c10::FunctionSchema& schema) {
+// Whether an argument of the schema has the type kind (optional or not).
+bool takes(const c10::FunctionSchema& schema, c10::TypeKind kind) {
   for (const auto& arg : schema.arguments()) {
     c10::TypePtr t = arg.real_type();
     if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
-    if (t->kind() == c10::TypeKind::DeviceObjType) return true;
-    if (t->kind() == c10::TypeKind::StorageType) return true;
+    if (t->kind() == kind) return true;
+    if (auto list = t->cast<c10::ListType>()) {
+      c10::TypePtr e = list->getElementType();
+      if (auto opt = e->cast<c10::OptionalType>()) e = opt->getElementType();
+      if (e->kind() == kind) return true;
+    }
   }
   return false;
+}
+
+// Ops taking a Device or a Storage: their composite kernel must stay, as it creates tensors
+// on a device or moves bytes across devices.
+bool takes_device_or_storage(const c10::FunctionSchema& schema) {
+  return takes(schema, c10::TypeKind::DeviceObjType) || takes(schema, c10::TypeKind::StorageType);
 }
 
 // Ops whose composite kernel must stay: they create tensors on a device, change devices or
@@ -209,7 +218,14 @@ bool executor_kernel_outranked(const std::string& name) {
       !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
     return false;
   }
-  return !takes_device_or_storage(op->schema());
+  // A factory (a Device argument, no tensor) is reached at superchip's key only through its
+  // BackendSelect kernel, which custom_op registers and superchip/_library.py points at
+  // superchip for a device="superchip" call (Note [Factories of other libraries]); the
+  // forwarding kernel then passes the executor's device to the executor's kernel. An op taking
+  // tensors and a Device may move them across devices: its composite stays.
+  const c10::FunctionSchema& schema = op->schema();
+  if (takes(schema, c10::TypeKind::StorageType)) return false;
+  return !takes(schema, c10::TypeKind::DeviceObjType) || !takes(schema, c10::TypeKind::TensorType);
 }
 
 std::vector<std::string> outranked_executor_kernels() {

@@ -18,9 +18,17 @@ Contract
 - A superchip kernel registered by anyone else (``register_kernel(op, "superchip")``) is
   never displaced: the forwarding kernel is only registered where none exists, and a later one
   outranks it.
+- A ``custom_op`` factory (a ``device`` argument, no tensor) with per-device kernels
+  (``register_kernel``) runs for ``device="superchip"`` the kernel of the executor's device,
+  given the executor's device, and returns a superchip tensor; without a kernel for the
+  executor's device it raises torch's error naming superchip, as it would for that device
+  (Note [Factories of other libraries]). This holds for factories defined before superchip is
+  imported too.
 - A check that fails never breaks the registration that called it: it becomes a warning.
-- Not seen: operators registered from C++ by an extension module imported after superchip
-  other than through ``torch.ops.load_library``; their composite keeps running on superchip.
+- An operator registered from C++ after import by other means (an extension module's own
+  import) is checked when Python first looks it up in ``torch.ops`` (``torch.ops.ns.op``).
+  Not seen: such an operator called only from C++, never through ``torch.ops``; its composite
+  keeps running on superchip.
 """
 
 from __future__ import annotations
@@ -71,6 +79,64 @@ def _guarded(check, *args) -> None:
         warnings.warn(f"superchip: could not route an operator to the executor's kernel: {e}", stacklevel=3)
 
 
+# Note [Factories of other libraries]
+# A custom_op without tensor arguments takes a device argument, and once it has per-device
+# kernels (register_kernel, or custom_op(device_types=...)) torch dispatches it with a
+# BackendSelect kernel that accepts only the device types it has a kernel for: a superchip
+# user's `make(n, device="superchip")` raised "does not have a kernel registered for
+# superchip" where the executor's device had one. superchip wraps that BackendSelect kernel:
+# for a superchip device whose executor's type has a kernel (and superchip none of its own)
+# it dispatches to superchip's key, where the forwarding kernel (backend/register/
+# Registration.cpp, Note [Other libraries' operators]) or the fallback passes the executor's
+# device to the executor's kernel and makes the result superchip's. Anything else goes to
+# torch's BackendSelect kernel unchanged, its error included.
+def _backend_select(opdef, select, index: int):
+    """``select``, torch's BackendSelect kernel of ``opdef``, with superchip's device sent to
+    the executor's kernel."""
+    executor = _C._executor()
+    superchip_key = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+    def backend_select(keyset, *args, **kwargs):
+        device = args[index] if index < len(args) else None
+        fns = opdef._backend_fns
+        if isinstance(device, torch.device) and device.type == "superchip" \
+                and "superchip" not in fns and executor in fns:
+            return opdef._opoverload.redispatch(superchip_key, *args, **kwargs)
+        return select(keyset, *args, **kwargs)
+
+    backend_select._superchip = True
+    return backend_select
+
+
+def _factory_opdef(name: str):
+    """The ``custom_op`` of ``name`` and its device argument's index, where it is a factory."""
+    opdef = torch._library.custom_ops.OPDEFS.get(name.split(".")[0])
+    if opdef is None:
+        return None, None
+    schema = opdef._opoverload._schema
+    if torch._library.utils.has_tensor_arg(schema):
+        return None, None
+    return opdef, torch._library.utils.get_device_arg_index(schema)
+
+
+def _rewrap_factories() -> None:
+    """Wraps the BackendSelect kernels of factories defined before superchip was imported."""
+    for name, opdef in list(torch._library.custom_ops.OPDEFS.items()):
+        # Only custom_op's own BackendSelect kernel, made by register_kernel for a device type:
+        # torch's prims are custom ops too, and their factories (prims::iota) have a
+        # BackendSelect kernel of their own that must stay.
+        ns, op = name.split("::")
+        if not any(d is not None for d in opdef._backend_fns) \
+                or f"{ns}/{op}/BackendSelect" not in getattr(opdef._lib, "_op_impls", ()):
+            continue
+        index = _factory_opdef(name)[1]
+        if index is None:
+            continue
+        with warnings.catch_warnings():  # torch's "Overriding a previously registered kernel"
+            warnings.simplefilter("ignore")
+            opdef._register_backend_select_dispatcher(index)  # through Library.impl: wrapped
+
+
 def _op_name(library, op) -> str:
     """The dispatcher's name, "ns::op[.overload]", of what ``Library.impl`` was given."""
     if isinstance(op, torch._ops.OpOverload):
@@ -86,9 +152,15 @@ def install() -> None:
         return
     impl, define = Library.impl, Library.define
     load_library = torch._ops._Ops.load_library
+    lookup = torch._ops._OpNamespace.__getattr__
 
-    def impl_then_check(self, op_name, *args, **kwargs):
-        result = impl(self, op_name, *args, **kwargs)
+    def impl_then_check(self, op_name, fn, dispatch_key="", *args, **kwargs):
+        if dispatch_key == "BackendSelect" and kwargs.get("with_keyset") \
+                and not getattr(fn, "_superchip", False):
+            opdef, index = _factory_opdef(_op_name(self, op_name))
+            if index is not None and self is opdef._lib:  # custom_op's own, not prims' iota
+                fn = _backend_select(opdef, fn, index)
+        result = impl(self, op_name, fn, dispatch_key, *args, **kwargs)
         if self.ns != "aten":
             _guarded(_check, _op_name(self, op_name), self)
         return result
@@ -99,6 +171,13 @@ def install() -> None:
         _guarded(_check, f"{self.ns}::{name}", self)
         return result
 
+    def lookup_then_check(self, op_name):
+        packet = lookup(self, op_name)  # cached on the namespace: once per operator
+        if self.name != "aten":
+            for overload in packet._overload_names:
+                _guarded(_check, f"{self.name}::{op_name}" + (f".{overload}" if overload else ""))
+        return packet
+
     def load_library_then_check(self, path):
         result = load_library(self, path)
         _guarded(_check_all)
@@ -107,4 +186,6 @@ def install() -> None:
     Library.impl = wrapping(impl_then_check, impl)
     Library.define = wrapping(define_then_check, define)
     torch._ops._Ops.load_library = wrapping(load_library_then_check, load_library)
+    torch._ops._OpNamespace.__getattr__ = wrapping(lookup_then_check, lookup)
     _guarded(_check_all)
+    _guarded(_rewrap_factories)

@@ -115,6 +115,43 @@ def test_a_superchip_kernel_registered_by_the_library_is_kept():
         assert torch.equal(torch.ops.sc_libops_own.after(_superchip(x)).cpu(), x + 7)
 
 
+def test_a_custom_op_factory_runs_the_executors_kernel_for_superchip():
+    """Note [Factories of other libraries]: a custom_op without tensor arguments is dispatched
+    on its device argument, and device="superchip" raised "does not have a kernel registered
+    for superchip" where the executor's device had one."""
+
+    def factory(name, kernels, device_types=None):
+        @torch.library.custom_op(f"sc_libops::{name}", mutates_args=(), device_types=device_types)
+        def make(n: int, device: torch.device) -> torch.Tensor:
+            return torch.full((n,), ADDS["cpu" if device_types else "default"], device=device)
+
+        for d in kernels:
+            make.register_kernel(d)(lambda n, device, d=d: torch.full((n,), ADDS.get(d, 7.0), device=device))
+        return make
+
+    superchip_device = torch.device("superchip")
+    n = 1 << 16
+    # Per-device kernels and a default: the executor's kernel, its result in superchip's memory.
+    make = factory("make", ("cpu", "cuda"))
+    before = superchip.memory_stats()["hbm.allocated_bytes"]
+    y = make(n, superchip_device)
+    assert y.device.type == "superchip"
+    assert superchip.memory_stats()["hbm.allocated_bytes"] - before == 4 * n
+    assert torch.equal(y.cpu(), torch.full((n,), ADDS[EXECUTOR]))
+    assert torch.equal(make(3, device=superchip_device).cpu(), torch.full((3,), ADDS[EXECUTOR]))
+    assert torch.equal(make(3, torch.device("cpu")), torch.full((3,), ADDS["cpu"]))  # unchanged
+    # custom_op(device_types="cpu"): its function is the CPU kernel, there is no default.
+    cpu_only = factory("make_cpu_only", (), device_types="cpu")
+    if EXECUTOR == "cpu":
+        assert torch.equal(cpu_only(3, superchip_device).cpu(), torch.full((3,), ADDS["cpu"]))
+    else:  # as for a CUDA tensor: torch's error, naming superchip
+        with pytest.raises(RuntimeError, match="does not have a kernel registered for superchip"):
+            cpu_only(3, superchip_device)
+    # A library's own superchip kernel is the one that runs.
+    own = factory("make_own", ("cpu", "cuda", "superchip"))
+    assert torch.equal(own(3, superchip_device).cpu(), torch.full((3,), 7.0))
+
+
 def test_the_forwarding_goes_with_the_library_that_called_for_it():
     has_superchip_kernel = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("sc_libops_scoped::f", "PrivateUse1")
     with torch.library._scoped_library("sc_libops_scoped", "DEF") as lib:
@@ -143,12 +180,40 @@ def test_ops_registered_before_superchip_is_imported():
         lib.impl("f", lambda x: x + 1, "CPU")
         lib.impl("f", lambda x: x + 3, "CUDA")
         lib.impl("f", lambda x: x + 2, "CompositeExplicitAutograd")
+        @torch.library.custom_op("sc_libops_early::make", mutates_args=())
+        def make(n: int, device: torch.device) -> torch.Tensor:
+            return torch.full((n,), 2.0, device=device)
+        make.register_kernel("cpu")(lambda n, device: torch.full((n,), 1.0, device=device))
+        make.register_kernel("cuda")(lambda n, device: torch.full((n,), 3.0, device=device))
         import superchip
         y = torch.ops.sc_libops_early.f(torch.zeros(1, device="superchip"))
-        print(json.dumps(y.item()))
+        z = make(1, torch.device("superchip"))
+        print(json.dumps([y.item(), z.item(), z.device.type]))
     """))
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ADDS[EXECUTOR]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [ADDS[EXECUTOR], ADDS[EXECUTOR], "superchip"]
+
+
+def test_ops_registered_from_cpp_after_import_are_checked_when_looked_up():
+    """An extension module's own import registers its operators from C++, past torch.library's
+    Python wrappers: superchip checks such an operator when torch.ops first resolves it.
+    torch._C._dispatch_library is the C++ Library a TORCH_LIBRARY block makes."""
+    lib = torch._C._dispatch_library("DEF", "sc_libops_cpp", "")
+    lib.define("f(Tensor x) -> Tensor", "", ())
+    for key, add in (("CPU", ADDS["cpu"]), ("CUDA", ADDS["cuda"]), ("CompositeExplicitAutograd", ADDS["default"])):
+        lib.impl("f", key, lambda x, add=add: x + add, False)
+    try:
+        y = torch.ops.sc_libops_cpp.f(_superchip(torch.zeros(1)))
+        assert y.item() == ADDS[EXECUTOR]
+    finally:
+        superchip._library._FORWARDED.pop("sc_libops_cpp::f").destroy()
+        lib.reset()
+        # torch.ops' cached packet goes too, as with a Library's destruction (torch's export
+        # utilities walk the cache and would trip on an operator no longer defined).
+        namespace = torch.ops.sc_libops_cpp
+        if "f" in vars(namespace):
+            delattr(namespace, "f")
+            namespace._dir.remove("f")
 
 
 def test_bitsandbytes_optimizer_and_4bit_layer_as_on_cpu():
