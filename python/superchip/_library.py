@@ -72,9 +72,10 @@ def _check_all() -> None:
         _check(name)
 
 
-def _guarded(check, *args) -> None:
+def _guarded(check, *args):
+    """``check(*args)``'s result, or None (and a warning) where it raises."""
     try:
-        check(*args)
+        return check(*args)
     except Exception as e:  # never break the other library's registration
         warnings.warn(f"superchip: could not route an operator to the executor's kernel: {e}", stacklevel=3)
 
@@ -106,6 +107,15 @@ def _backend_select(opdef, select, index: int):
 
     backend_select._superchip = True
     return backend_select
+
+
+def _superchip_aware(library, op_name, fn):
+    """``fn``, a BackendSelect kernel ``library`` registers, wrapped by _backend_select where it
+    is a custom_op factory's own."""
+    opdef, index = _factory_opdef(_op_name(library, op_name))
+    if index is None or library is not opdef._lib:  # not custom_op's (prims' iota has its own)
+        return fn
+    return _backend_select(opdef, fn, index)
 
 
 def _factory_opdef(name: str):
@@ -157,9 +167,7 @@ def install() -> None:
     def impl_then_check(self, op_name, fn, dispatch_key="", *args, **kwargs):
         if dispatch_key == "BackendSelect" and kwargs.get("with_keyset") \
                 and not getattr(fn, "_superchip", False):
-            opdef, index = _factory_opdef(_op_name(self, op_name))
-            if index is not None and self is opdef._lib:  # custom_op's own, not prims' iota
-                fn = _backend_select(opdef, fn, index)
+            fn = _guarded(_superchip_aware, self, op_name, fn) or fn
         result = impl(self, op_name, fn, dispatch_key, *args, **kwargs)
         if self.ns != "aten":
             _guarded(_check, _op_name(self, op_name), self)
