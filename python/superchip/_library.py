@@ -142,9 +142,13 @@ def _rewrap_factories() -> None:
         index = _factory_opdef(name)[1]
         if index is None:
             continue
+        # Registered again, through Library.impl (so wrapped). torch 2.11's Library.impl
+        # refuses a second Python kernel for the key (its own register_kernel does so for a
+        # factory's second device type): the key leaves torch's record of them first.
+        torch.library._impls.discard(f"{ns}/{op}/BackendSelect")
         with warnings.catch_warnings():  # torch's "Overriding a previously registered kernel"
             warnings.simplefilter("ignore")
-            opdef._register_backend_select_dispatcher(index)  # through Library.impl: wrapped
+            opdef._register_backend_select_dispatcher(index)
 
 
 def _op_name(library, op) -> str:
