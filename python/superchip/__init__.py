@@ -237,6 +237,12 @@ from . import _bitsandbytes  # noqa: E402
 
 _bitsandbytes.install()
 
+# Triton kernels launched by hand (Liger's, Unsloth's, a user's) wait for the offload engine's
+# pending work on their superchip arguments, as forwarded operators do (_triton.py).
+from . import _triton  # noqa: E402
+
+_triton.install()
+
 __all__ = [
     "memory_stats",
     "tier_of",

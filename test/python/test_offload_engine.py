@@ -842,6 +842,94 @@ def test_compiled_model_waits_for_the_pending_step():
         assert torch.equal(_bits(x), _bits(y))
 
 
+def test_a_triton_kernel_launched_by_hand_waits_for_the_pending_step(tmp_path):
+    # Note [Triton kernels read data_ptr()] (superchip/_triton.py): a kernel launched through
+    # triton's JITFunction.run (Liger's RMSNorm reads its weight so) takes data_ptr() past the
+    # dispatcher. Launched right after step(), on a parameter large enough that the step takes
+    # milliseconds: without the wait it read the parameter mid-step, other bits than with
+    # overlap=False. Where triton is not installed (CI), a stand-in for triton.runtime.jit,
+    # imported after superchip as torch imports triton lazily, runs a "kernel" that reads and
+    # writes raw memory at data_ptr(), as a GPU kernel does. With the CUDA executor, a real one.
+    import importlib.util
+
+    real = importlib.util.find_spec("triton") is not None
+    if real and superchip.executor() != "cuda":
+        pytest.skip("triton is installed but cannot run kernels without a GPU; the stand-in would not be imported")
+    if real:
+        (tmp_path / "scale_kernel.py").write_text(textwrap.dedent("""
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def _scale(out, w, factor, n, BLOCK: tl.constexpr):
+                i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                tl.store(out + i, tl.load(w + i, mask=i < n) * factor, mask=i < n)
+
+            def scale(out, w, factor):
+                _scale[(triton.cdiv(w.numel(), 1024),)](out, w, factor, w.numel(), BLOCK=1024)
+        """))
+    else:
+        (tmp_path / "triton" / "runtime").mkdir(parents=True)
+        (tmp_path / "triton" / "__init__.py").write_text("")
+        (tmp_path / "triton" / "runtime" / "__init__.py").write_text("")
+        (tmp_path / "triton" / "runtime" / "jit.py").write_text(textwrap.dedent("""
+            class JITFunction:
+                def __init__(self, fn):
+                    self.fn = fn
+
+                def run(self, *args, grid, warmup, **kwargs):
+                    return None if warmup else self.fn(*args, **kwargs)
+
+                def __getitem__(self, grid):
+                    return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+        """))
+        (tmp_path / "scale_kernel.py").write_text(textwrap.dedent("""
+            import ctypes
+            import torch
+            from triton.runtime.jit import JITFunction
+
+            def raw(t):  # t's bytes as a CPU tensor, as a kernel sees them: no operator
+                return torch.frombuffer((ctypes.c_float * t.numel()).from_address(t.data_ptr()), dtype=torch.float32)
+
+            @JITFunction
+            def _scale(out, w, factor):
+                torch.mul(raw(w), factor, out=raw(out))
+
+            def scale(out, w, factor):
+                _scale[(1,)](out, w, factor)
+        """))
+    code = textwrap.dedent(f"""
+        import json, sys
+        import torch, superchip
+        import torch._dynamo  # torch looks for triton once, before a stand-in is on the path
+        sys.path.insert(0, {str(tmp_path)!r})
+        from scale_kernel import scale
+
+        n = 1 << 22
+        def run(overlap):
+            torch.manual_seed(0)
+            w = torch.nn.Parameter(torch.randn(n).to("superchip"))
+            opt = superchip.optim.SGD([w], lr=0.5, momentum=0.9, overlap=overlap)
+            g = torch.Generator().manual_seed(2)
+            outs = []
+            for _ in range(4):
+                out = torch.empty(n, device="superchip")
+                scale(out, w, 2.0)
+                outs.append(out.cpu())
+                (w * torch.randn(n, generator=g).to("superchip")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            torch.superchip.synchronize()
+            return outs, w.detach().cpu()
+
+        (oa, wa), (ob, wb) = run(False), run(True)
+        print(json.dumps([all(torch.equal(a, b) for a, b in zip(oa, ob)), torch.equal(wa, wb)]))
+    """)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True]
+
+
 @pytest.mark.parametrize("max_grad_norm,fp16", [(1e9, False), (0.5, False), (0.5, True)],
                          ids=["clip-never", "clip-always", "fp16-clip-always"])
 def test_hf_trainer_with_the_engine_matches_the_plain_step(tmp_path, monkeypatch, max_grad_norm, fp16):
