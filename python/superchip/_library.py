@@ -186,7 +186,7 @@ def install() -> None:
     def lookup_then_check(self, op_name):
         packet = lookup(self, op_name)  # cached on the namespace: once per operator
         if self.name != "aten":
-            for overload in packet._overload_names:
+            for overload in getattr(packet, "_overload_names", ()):
                 _guarded(_check, f"{self.name}::{op_name}" + (f".{overload}" if overload else ""))
         return packet
 
