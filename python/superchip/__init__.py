@@ -243,6 +243,12 @@ from . import _triton  # noqa: E402
 
 _triton.install()
 
+# Autograd functions declared for CUDA's autocast (torch.amp.custom_fwd(device_type="cuda"):
+# Liger's, Unsloth's) keep their contract under torch.autocast("superchip") (_amp.py).
+from . import _amp  # noqa: E402
+
+_amp.install()
+
 __all__ = [
     "memory_stats",
     "tier_of",

@@ -159,3 +159,75 @@ def test_grad_scaler_on_superchip():
     scaler.update()
     assert not torch.equal(model.weight.detach().cpu(), before)
     assert scaler.get_scale() == 1024.0
+
+
+def _amp_function(declare_fwd, declare_bwd):
+    """An autograd function whose forward and backward are decorated as a library does,
+    recording the dtypes its ops see."""
+
+    class Mm(torch.autograd.Function):
+        seen = []
+
+        @staticmethod
+        @declare_fwd
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            y = x @ w
+            Mm.seen.append((x.dtype, y.dtype))
+            return y
+
+        @staticmethod
+        @declare_bwd
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            gx = g @ w.t()  # a bf16 gradient and a float32 weight: needs the forward's autocast
+            Mm.seen.append((g.dtype, gx.dtype))
+            return gx, x.t() @ g
+
+    return Mm
+
+
+@pytest.mark.parametrize("cast_inputs", [None, torch.float32], ids=["autocast-state", "cast-fp32"])
+@pytest.mark.parametrize("style", ["decorator", "partial", "cuda.amp"])
+def test_functions_declared_for_cudas_autocast_keep_their_contract(style, cast_inputs):
+    """Note [custom_fwd declared for cuda] (superchip/_amp.py): Liger, Unsloth and axolotl
+    declare their autograd functions for CUDA's autocast; under torch.autocast("superchip")
+    they must do what they do under CUDA's. The reference: the same function declared for
+    "cpu", run on the CPU under CPU's autocast (matmul lowers precision under both policies).
+    Before, cast_inputs was ignored (a bf16 forward) and the backward ran without autocast
+    ("expected m1 and m2 to have the same dtype")."""
+    import functools
+    import warnings
+
+    def declared(device_type):
+        if style == "decorator":
+            return (torch.amp.custom_fwd(device_type=device_type, cast_inputs=cast_inputs),
+                    torch.amp.custom_bwd(device_type=device_type))
+        if style == "partial":  # Liger's amp_custom_fwd
+            fwd = functools.partial(torch.amp.custom_fwd, device_type=device_type)
+            bwd = functools.partial(torch.amp.custom_bwd, device_type=device_type)
+            return fwd(cast_inputs=cast_inputs), bwd
+        if device_type == "cpu":
+            return declared_cpu_for_cuda_amp
+        return torch.cuda.amp.custom_fwd(cast_inputs=cast_inputs), torch.cuda.amp.custom_bwd
+
+    declared_cpu_for_cuda_amp = (torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs),
+                                 torch.amp.custom_bwd(device_type="cpu"))
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(8, 16), torch.randn(16, 4)
+    results = {}
+    for device, declared_for in (("cpu", "cpu"), (DEVICE, "cuda")):
+        with warnings.catch_warnings():  # torch.cuda.amp's are deprecated in favour of torch.amp's
+            warnings.simplefilter("ignore", FutureWarning)
+            fn = _amp_function(*declared(declared_for))
+        x = x0.clone().to(device).requires_grad_()
+        w = w0.clone().to(device).requires_grad_()
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = fn.apply(x, w)
+        y.float().square().sum().backward()
+        results[declared_for] = (fn.seen, y.cpu(), x.grad.cpu(), w.grad.cpu())
+    (seen_cpu, *cpu), (seen_superchip, *ours) = results["cpu"], results["cuda"]
+    assert seen_superchip == seen_cpu
+    assert seen_cpu[0][1] == (torch.float32 if cast_inputs else torch.bfloat16)
+    for a, b in zip(cpu, ours):
+        assert a.dtype == b.dtype and torch.equal(a, b)
