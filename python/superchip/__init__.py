@@ -179,10 +179,37 @@ from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 # neither, and torch's reducer raised "_share_fd_: only available on CPU", which names no
 # superchip (from a Queue's feeder thread, while the child waited for ever: found by review).
 # The reducer now says what to do; anything else is torch's.
+#
+# One sender is different: a DataLoader worker. A dataset or collate_fn that builds superchip
+# tensors (a tokenizer's `.to(device)`, data kept on the device) works in a forked worker, and
+# its batch went through the same reducer, from the worker's feeder thread: the error was
+# printed there and the training loop waited for that batch for ever. A batch is handed over,
+# never shared back (the worker does not see it again, and torch pins or copies batches
+# anyway), so a worker's tensor travels as a CPU copy through torch's shared memory and is
+# moved to its superchip device on arrival, in the process that iterates the DataLoader.
+# Storages, and tensors sent by anything else, still raise: a copy where torch shares (a model
+# trained by several processes, Hogwild-style) would be a silent wrong result.
+def _in_dataloader_worker() -> bool:
+    worker = _sys.modules.get("torch.utils.data._utils.worker")
+    return worker is not None and getattr(worker, "_worker_info", None) is not None
+
+
+def _rebuild_from_worker(cpu, device, parameter):
+    out = cpu.to(device)
+    if parameter:
+        return torch.nn.Parameter(out, requires_grad=cpu.requires_grad)
+    return out.requires_grad_(cpu.requires_grad) if out.is_leaf else out
+
+
 def _wrap_reducer(reduce):
     def reducer(obj):
         device = getattr(obj, "device", None)
         if device is not None and device.type == "superchip":
+            if isinstance(obj, torch.Tensor) and _in_dataloader_worker():
+                if obj.requires_grad and not obj.is_leaf:
+                    reduce(obj)  # torch's own refusal of a non-leaf tensor that requires grad
+                cpu = obj.detach().cpu().requires_grad_(obj.requires_grad)
+                return _rebuild_from_worker, (cpu, str(device), isinstance(obj, torch.nn.Parameter))
             raise RuntimeError(
                 f"a superchip {type(obj).__name__} cannot be sent to another process: superchip "
                 f"memory belongs to the process that allocated it (there is no inter-process "

@@ -430,6 +430,43 @@ def test_sending_a_superchip_tensor_to_another_process_says_what_to_do():
     assert torch.equal(cpu, torch.arange(4.0))
 
 
+class _RowsOnTheDevice(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((1024,), float(i)).to("superchip") * 2  # built in the worker
+
+
+def _collate_with_a_parameter(items):
+    return {"x": torch.stack(items), "p": torch.nn.Parameter(torch.ones(3, device="superchip"))}
+
+
+def test_a_dataloader_worker_hands_its_superchip_batches_over():
+    # Note [Tensors sent to another process]: a worker's batch went through the reducer
+    # that refuses superchip tensors, from the worker's feeder thread; the loop waited for
+    # it for ever (here: until the DataLoader's timeout). Batches now travel as copies and
+    # arrive on the superchip device, counted in hbm. A forked child cannot use CUDA, so the
+    # CUDA executor's workers are spawned (a fresh interpreter: slower, the same reducer).
+    context = "spawn" if superchip.executor() == "cuda" else "fork"
+    loader = torch.utils.data.DataLoader(_RowsOnTheDevice(), batch_size=4, num_workers=1,
+                                         multiprocessing_context=context, timeout=60,
+                                         collate_fn=_collate_with_a_parameter)
+    before = superchip.memory_stats()["hbm.allocated_bytes"]
+    batches = list(loader)
+    assert [b["x"].device for b in batches] == [DEVICE, DEVICE]
+    for k, b in enumerate(batches):
+        want = torch.arange(4.0 * k, 4.0 * k + 4).mul(2).unsqueeze(1).expand(4, 1024)
+        assert torch.equal(b["x"].cpu(), want)
+        assert type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad and b["p"].device == DEVICE
+    grown = superchip.memory_stats()["hbm.allocated_bytes"] - before
+    assert grown >= 2 * 4 * 1024 * 4, grown  # both batches are superchip memory of this process
+    # Outside a DataLoader worker, nothing changed: a copy where torch shares would be wrong.
+    from multiprocessing.reduction import ForkingPickler
+    with pytest.raises(RuntimeError, match="cannot be sent to another process"):
+        ForkingPickler.dumps(batches[0]["x"])
+
+
 def test_dlpack_gives_an_alias_as_for_cuda():
     # Note [DLPack] (superchip/__init__.py): torch.from_dlpack(t) raised "Unknown device type
     # superchip for Dlpack" (torch's __dlpack_device__ knows PrivateUse1 only by its default
