@@ -11,11 +11,11 @@ APT_PACKAGES=(
   libnuma-dev libhwloc-dev libgtest-dev
   g++-aarch64-linux-gnu qemu-user googletest
 )
-# The Hugging Face packages, Lightning and bitsandbytes (QLoRA's 4-bit layers and paged optimizers) are
+# The Hugging Face packages (trl included), Lightning and bitsandbytes (QLoRA's 4-bit layers and paged optimizers) are
 # pinned to the versions the tests ran with: their releases change
 # what runs on a device they do not know (accelerate 1.16 allows fp16 there, transformers 5
 # kernelizes loaded models), and a fresh machine should not meet a new release in CI.
-PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers==5.25.0 accelerate==1.16.0 matplotlib peft==0.21.2 torchao==0.18.0 lightning==2.6.6 bitsandbytes==0.50.2)
+PIP_PACKAGES=(scikit-build-core ninja pytest expecttest hypothesis numpy transformers==5.25.0 accelerate==1.16.0 matplotlib peft==0.21.2 torchao==0.18.0 lightning==2.6.6 bitsandbytes==0.50.2 trl==1.16.0)
 
 log() { printf '[setup] %s\n' "$*"; }
 

@@ -503,3 +503,76 @@ def test_safetensors_and_what_calls_it_load_onto_superchip(tmp_path, first):
     assert out["bound"] == [], out
     assert out["peft_weights"] and out["peft_model"], out
     assert out["accelerate"] == [True, True] and out["hub"], out
+
+
+def test_trl_trainers_train_on_superchip_with_the_cpus_bits():
+    # trl (the SFT, DPO and GRPO trainers most fine-tunes go through) on top of the Trainer
+    # path above, as a user runs it: SFT of LoRA adapters in bf16 with packed rows (trl's
+    # padding-free batches: position ids instead of padding), and DPO of a full model against
+    # its frozen reference. Each trains on superchip and with use_cpu=True in one process;
+    # the CPU executor gives the CPU's bits, losses and every parameter.
+    pytest.importorskip("trl")
+    r = run_python(textwrap.dedent("""
+        import copy, json, tempfile, torch, transformers
+        import superchip
+        from datasets import Dataset
+        from peft import LoraConfig
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+        words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(125)]
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                         eos_token="<eos>", unk_token="<unk>")
+        g = torch.Generator().manual_seed(1)
+        def text(n):
+            return " ".join(f"w{int(i)}" for i in torch.randint(0, 125, (n,), generator=g))
+        sft_data = Dataset.from_dict({"text": [text(int(n)) for n in torch.randint(4, 24, (24,), generator=g)]})
+        dpo_data = Dataset.from_dict({"prompt": [text(6) for _ in range(8)], "chosen": [text(5) for _ in range(8)],
+                                      "rejected": [text(7) for _ in range(8)]})
+
+        def llama():
+            torch.manual_seed(0)
+            cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+                                           eos_token_id=1)
+            return transformers.LlamaForCausalLM(cfg)
+
+        def common(use_cpu):
+            return dict(output_dir=tempfile.mkdtemp(), use_cpu=use_cpu, max_steps=3, per_device_train_batch_size=4,
+                        learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                        disable_tqdm=True)
+
+        def sft(use_cpu):
+            args = SFTConfig(**common(use_cpu), bf16=True, packing=True, padding_free=True, max_length=32)
+            return SFTTrainer(model=llama(), args=args, train_dataset=sft_data, processing_class=tokenizer,
+                              peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+
+        def dpo(use_cpu):
+            model = llama()
+            return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=DPOConfig(**common(use_cpu)),
+                              train_dataset=dpo_data, processing_class=tokenizer)
+
+        out = {}
+        for name, make in (("sft", sft), ("dpo", dpo)):
+            runs = {}
+            for use_cpu in (False, True):
+                t = make(use_cpu)
+                t.train()
+                runs[use_cpu] = dict(device=str(t.args.device), losses=[h["loss"] for h in t.state.log_history if "loss" in h],
+                                     params=[p.detach().cpu() for p in t.model.parameters()])
+            s, c = runs[False], runs[True]
+            out[name] = dict(device=s["device"], losses=s["losses"], cpu=c["losses"],
+                             diff=max((a.float() - b.float()).abs().max().item() for a, b in zip(s["params"], c["params"])))
+        print(json.dumps(out))
+    """), timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in ("sft", "dpo"):
+        got = out[name]
+        assert got["device"] == "superchip:0" and len(got["losses"]) == 3, (name, got)
+        if superchip.executor() == "cpu":
+            assert got["losses"] == got["cpu"] and got["diff"] == 0, (name, got)
+        else:  # CUDA's kernels round differently from the CPU's (bf16 for SFT)
+            assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(got["losses"], got["cpu"])), (name, got)
