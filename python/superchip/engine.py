@@ -184,6 +184,7 @@ class Engine:
         self.outcomes = (False, False, False, False)  # harvested, for the next backward (_harvest)
         self.speculating = False
         self.multi_backward = False
+        self.task = None                     # autograd graph task of the last gradient hook
         # Note [Speculation budget]
         self.policy = speculation_policy()
         if self.policy == "never":
@@ -298,6 +299,11 @@ class Engine:
             # the optimizer's step() turns the engine off (_FusedOptimizer._engine_guard).
             self.speculating = self.probing = False
             return
+        task = torch._C._current_graph_task_id()
+        if self.fired and task != self.task and self._grads_were_reset(p):
+            # Note [A backward after the model's zero_grad]
+            self.rollback_unstepped(skipped=True)
+        self.task = task
         if not self.fired:
             self._begin_backward()
         n = self.fired.get(p, 0) + 1
@@ -324,6 +330,24 @@ class Engine:
                         self.awaiting.append(b)
         if self.ddp is not None:
             self.ddp.poll_all()  # at every hook: a bucket's allreduce ends any time (any engine's)
+
+    # Note [A backward after the model's zero_grad]
+    # The engine learns that a backward() had no step() from the optimizer: its zero_grad()
+    # (or state_dict(), a later step()) rolls the unstepped speculation back and counts a
+    # skipped step. Loops that zero the model instead (the Hugging Face Trainer's
+    # model.zero_grad(); Trainer(fp16=True) skips the optimizer's step() when GradScaler finds
+    # an overflow) never told it: the next backward looked like gradient accumulation, so
+    # skipped_steps stayed 0 and that backward began without the engine's start-of-backward
+    # bookkeeping. Results were exact either way (step() validates every speculation); the
+    # count and the predictor were not. So the first gradient of a new backward() call (a new
+    # autograd graph task) while firings of an unstepped one are recorded asks whether the
+    # gradients were reset in between: a parameter of the last backward without a gradient
+    # now means zero_grad(set_to_none=True) ran, and the engine does what the optimizer's own
+    # zero_grad() does. Gradients accumulating (all still there) keep the accumulation path.
+    # A reset to zeros in place (set_to_none=False) cannot be told from accumulation and
+    # still counts as one, as before.
+    def _grads_were_reset(self, p) -> bool:
+        return any(q.grad is None for q in self.fired if q is not p)
 
     def _poll_reduced(self) -> None:
         if self.ddp is not None and (self.speculating or self.probing):
