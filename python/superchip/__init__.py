@@ -195,10 +195,10 @@ def _in_dataloader_worker() -> bool:
 
 
 def _rebuild_from_worker(cpu, device, parameter):
-    out = cpu.to(device)
+    out = cpu.detach().to(device)  # a leaf, as the worker's was
     if parameter:
         return torch.nn.Parameter(out, requires_grad=cpu.requires_grad)
-    return out.requires_grad_(cpu.requires_grad) if out.is_leaf else out
+    return out.requires_grad_(cpu.requires_grad)
 
 
 def _wrap_reducer(reduce):

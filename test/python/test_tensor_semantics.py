@@ -439,7 +439,8 @@ class _RowsOnTheDevice(torch.utils.data.Dataset):
 
 
 def _collate_with_a_parameter(items):
-    return {"x": torch.stack(items), "p": torch.nn.Parameter(torch.ones(3, device="superchip"))}
+    return {"x": torch.stack(items), "p": torch.nn.Parameter(torch.ones(3, device="superchip")),
+            "leaf": torch.zeros(2, device="superchip", requires_grad=True)}
 
 
 def test_a_dataloader_worker_hands_its_superchip_batches_over():
@@ -459,6 +460,7 @@ def test_a_dataloader_worker_hands_its_superchip_batches_over():
         want = torch.arange(4.0 * k, 4.0 * k + 4).mul(2).unsqueeze(1).expand(4, 1024)
         assert torch.equal(b["x"].cpu(), want)
         assert type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad and b["p"].device == DEVICE
+        assert b["leaf"].is_leaf and b["leaf"].requires_grad and b["leaf"].device == DEVICE
     grown = superchip.memory_stats()["hbm.allocated_bytes"] - before
     assert grown >= 2 * 4 * 1024 * 4, grown  # both batches are superchip memory of this process
     # Outside a DataLoader worker, nothing changed: a copy where torch shares would be wrong.
