@@ -8,6 +8,7 @@
 #include <c10/core/InferenceMode.h>
 #include <ATen/core/List.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
@@ -930,7 +931,36 @@ at::Tensor superchip_zero_tensor(c10::IntArrayRef sizes, c10::IntArrayRef stride
   return at::Tensor(std::move(impl));
 }
 
+namespace {
+
+// Note [Another device's autocast]
+// torch.autocast is per device type: autocast("cuda") casts CUDA tensors' operators and leaves
+// any other device's alone, as it leaves CPU tensors. superchip's operators reach the executor
+// below the autocast keys, so a script moved to superchip that kept a hard-coded
+// `torch.autocast("cuda", dtype=torch.bfloat16)` (or `torch.cuda.amp.autocast()`) trained in
+// float32 without a word: slower, with twice the activation memory. The first superchip
+// operator that runs while the CUDA or CPU autocast is on and superchip's is not says so,
+// once per process, and what to write instead. Nothing is cast: torch's semantics stay.
+// (Inside superchip's own autocast kernels its key is excluded for the redispatch, so where
+// both are on the warning may still come once; what it says holds there too.)
+void warn_if_another_devices_autocast() {
+  using c10::DispatchKey;
+  using c10::impl::tls_is_dispatch_key_excluded;
+  // Autocast keys are excluded by default; torch.autocast's __enter__ lifts its device's.
+  const bool cuda = !tls_is_dispatch_key_excluded(DispatchKey::AutocastCUDA);
+  if (C10_LIKELY(!cuda && tls_is_dispatch_key_excluded(DispatchKey::AutocastCPU))) return;
+  if (!tls_is_dispatch_key_excluded(DispatchKey::AutocastPrivateUse1)) return;
+  TORCH_WARN_ONCE("superchip: torch.autocast(\"", cuda ? "cuda" : "cpu", "\") is on, and it casts ",
+                  cuda ? "cuda" : "cpu", " tensors' operators only: superchip's run in their own dtypes "
+                  "(float32 stays float32). For mixed precision on superchip use "
+                  "torch.autocast(\"superchip\", dtype=...), or torch.autocast(device_type=tensor.device.type, "
+                  "...) in code that runs on several devices.");
+}
+
+}  // namespace
+
 void forward_to_executor(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  warn_if_another_devices_autocast();
   ForwardedCall(op, stack).run();
 }
 

@@ -231,3 +231,43 @@ def test_functions_declared_for_cudas_autocast_keep_their_contract(style, cast_i
     assert seen_cpu[0][1] == (torch.float32 if cast_inputs else torch.bfloat16)
     for a, b in zip(cpu, ours):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("other", ["cuda", "cpu"])
+def test_another_devices_autocast_says_it_does_not_cast_superchip(other):
+    # Note [Another device's autocast] (backend/native/Forward.cpp): a script moved to superchip
+    # that kept torch.autocast("cuda") trained in float32 without a word. It still does (torch's
+    # per-device semantics), and the first superchip operator under it says so, once. CUDA's
+    # autocast is switched on by its flag: torch.autocast("cuda") refuses without a GPU.
+    import json
+    import textwrap
+
+    from helpers import run_python
+
+    r = run_python(textwrap.dedent(f"""
+        import json, warnings, torch, superchip
+        x = torch.randn(4, 4, device="superchip")
+        def caught(fn):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out = fn()
+            return out.dtype, [str(m.message) for m in w if "superchip:" in str(m.message)]
+        def own():
+            with torch.autocast("superchip", dtype=torch.bfloat16):
+                return x @ x
+        def other():
+            torch.set_autocast_enabled("{other}", True)
+            try:
+                return x @ x
+            finally:
+                torch.set_autocast_enabled("{other}", False)
+        res = dict(plain=caught(lambda: x @ x), own=caught(own), other=caught(other), again=caught(other))
+        print(json.dumps({{k: [str(d), m] for k, (d, m) in res.items()}}))
+    """))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["plain"] == ["torch.float32", []] and out["own"] == ["torch.bfloat16", []], out
+    dtype, said = out["other"]
+    assert dtype == "torch.float32" and len(said) == 1, out  # nothing cast, as torch does
+    assert f'torch.autocast("{other}") is on' in said[0] and 'torch.autocast("superchip"' in said[0], said
+    assert out["again"] == ["torch.float32", []], out  # once per process
