@@ -1,0 +1,70 @@
+"""Hugging Face architectures as users fine-tune them: one forward and backward of each
+model family with a tiny random configuration, on superchip and on the CPU, loss and every
+parameter's gradient compared (bit for bit on the CPU executor, where dropout draws the CPU's
+masks too; within the tolerance table in eval mode on CUDA's, whose kernels and dropout
+differ). Dense decoders with their attention and norm variants (GQA, sliding windows,
+soft-capping, partial rotary, ALiBi, parallel blocks, QK-norm), mixtures of experts (routing,
+top-k, shared experts, DeepSeek's latent attention), encoder-decoders (T5's relative
+positions, BART), state-space and recurrent models (Mamba, RWKV) and an encoder (BERT).
+
+Needs `transformers` (scripts/setup.sh installs it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import superchip
+
+from helpers import DEVICE
+from tolerances import tol
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+_GPT = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=64, rotary_dim=4)
+_MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, n_routed_experts=4, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, n_group=1, topk_group=1, first_k_dense_replace=1)
+_SEQ2SEQ = dict(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, encoder_layers=2, decoder_layers=2,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                decoder_start_token_id=0)
+ARCHITECTURES = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": dict(head_dim=8), "gemma2": dict(head_dim=8),
+    "phi": {}, "phi3": {}, "cohere": {}, "starcoder2": {}, "glm4": {}, "olmo2": {},
+    "gpt2": _GPT, "gpt_neox": _GPT, "opt": dict(ffn_dim=64, word_embed_proj_dim=32), "bloom": _GPT, "falcon": _GPT,
+    "mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "olmoe": _MOE, "deepseek_v3": _MOE,
+    "t5": _SEQ2SEQ, "bart": _SEQ2SEQ, "mamba": {}, "rwkv": {}, "bert": {},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_trains_with_the_cpus_bits(arch):
+    cfg = transformers.AutoConfig.for_model(arch, **_SMALL, **ARCHITECTURES[arch])
+    seq2seq = arch in ("t5", "bart")
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(cfg)
+    emulated = superchip.executor() == "cpu"
+    model.train(emulated)  # dropout only where superchip draws the CPU's masks
+    ours = copy.deepcopy(model).to(DEVICE)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def run(m, device):
+        torch.manual_seed(3)  # the CPU executor's dropout draws from the CPU generator
+        out = m(input_ids=ids.to(device), labels=ids.to(device))
+        out.loss.backward()
+        return out.loss.detach().cpu(), {n: p.grad.cpu() for n, p in m.named_parameters() if p.grad is not None}
+
+    want_loss, want = run(model, "cpu")
+    got_loss, got = run(ours, DEVICE)
+    assert got.keys() == want.keys() and want, arch
+    for name, g in [("loss", got_loss)] + sorted(got.items()):
+        w = want_loss if name == "loss" else want[name]
+        if emulated:
+            assert torch.equal(g, w), (arch, name, (g - w).abs().max())
+        else:
+            torch.testing.assert_close(g, w, **tol(w.dtype), msg=f"{arch}: {name}")
