@@ -4,6 +4,7 @@
 #include <ATen/NestedTensorImpl.h>
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <ATen/core/List.h>
@@ -145,6 +146,7 @@ struct OpFacts {
                                      // values tensor was written, where CUDA raises: found by
                                      // PyTorch's test_indexing); the indexed tensor never
   int rows_arg = -1;                 // the operand read by rows (Access::kReadRows), or -1
+  bool kernel_reads_requires_grad = false;  // Note [Kernels that read requires_grad]
 };
 
 const OpFacts& facts_of(const c10::OperatorHandle& op) {
@@ -176,6 +178,7 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
       name == "aten::index_put") {
     f.cpu_index_operands = true;  // (Tensor self, Tensor?[] indices, ...)
   }
+  if (name == "aten::_sparse_mm_reduce_impl") f.kernel_reads_requires_grad = true;
   // Gathers of rows: the table (weight / self) is their first argument.
   if (name == "aten::embedding" || name == "aten::index_select" || name == "aten::embedding_bag" ||
       name == "aten::_embedding_bag" || name == "aten::_embedding_bag_forward_only") {
@@ -557,12 +560,32 @@ class ForwardedCall {
         buffer, nt->get_nested_sizes(), nt->get_nested_strides(), nt->get_storage_offsets());
   }
 
+  // Note [Kernels that read requires_grad]
+  // An executor alias is a plain tensor: it does not require grad. A few executor kernels ask
+  // their operands whether they do, to decide what to compute for a backward: the CPU's
+  // _sparse_mm_reduce_impl (torch.sparse.mm(csr, dense, reduce="amax"/"amin")) saves the
+  // argmax only when GradMode is on and an operand requires grad. On superchip it got
+  // aliases, saved nothing, and the backward read an empty index tensor as indices: the
+  // process died (a segmentation fault; found under AddressSanitizer, in the OpInfo sweep's
+  // crash-isolating workers). Such kernels get aliases that require grad where the superchip
+  // operand does: a shallow copy of the alias, so no other call sees the flag. The call runs
+  // below autograd, so nothing is recorded on them.
+  static at::Tensor requiring_grad(const at::Tensor& alias) {
+    c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
+    at::Tensor out(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false));
+    out.set_requires_grad(true);
+    return out;
+  }
+
   void rewrite_arguments() {
+    const bool pass_requires_grad = facts_.kernel_reads_requires_grad && at::GradMode::is_enabled();
     for (size_t k = 0; k < num_args_; ++k) {
       c10::IValue& v = (*stack_)[first_ + k];
       const bool mutated = facts_.mutable_args[k];
       if (v.isTensor()) {
+        const bool grad = pass_requires_grad && v.toTensor().requires_grad();
         v = alias_of(v.toTensor(), mutated, static_cast<int>(k) == facts_.rows_arg);
+        if (grad) v = requiring_grad(v.toTensor());
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> list = v.toTensorList();
         c10::List<at::Tensor> out;

@@ -51,6 +51,31 @@ def test_efficientzerotensor_reads_as_zeros():
     assert "OK" in out
 
 
+
+def test_sparse_mm_with_amax_or_amin_reduce_backward_gives_the_cpus_gradients():
+    # Note [Kernels that read requires_grad] (backend/native/Forward.cpp): the CPU kernel saves
+    # the argmax only for operands that require grad; superchip's aliases did not, and the
+    # backward read an empty index tensor: a segmentation fault (in a fresh process here).
+    out = _run_ok("""
+        import torch, superchip
+        torch.manual_seed(0)
+        d = torch.randn(6, 5)
+        d[d < 0] = 0
+        w = torch.randn(5, 3)
+        for reduce in ("amax", "amin", "sum", "mean"):
+            grads = {}
+            for dev in ("cpu", "superchip"):
+                a = d.to_sparse_csr().to(dev).requires_grad_()
+                b = w.clone().to(dev).requires_grad_()  # a leaf on either device
+                out = torch.sparse.mm(a, b, reduce)
+                out.pow(2).sum().backward()
+                grads[dev] = (out.detach().cpu(), a.grad.to_dense().cpu(), b.grad.cpu())
+            for got, want in zip(grads["superchip"], grads["cpu"]):
+                assert torch.equal(got, want) if superchip.executor() == "cpu" else torch.allclose(got, want), reduce
+        print("OK")
+    """)
+    assert "OK" in out
+
 def test_zero_tensor_owns_no_memory():
     out = _run_ok("""
         import torch, superchip
