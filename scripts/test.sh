@@ -2,7 +2,7 @@
 # Runs every test: C++ GoogleTest suites (allocator/, ops/), the thread pool and the offload
 # engine under ThreadSanitizer, the aarch64 kernel tests under qemu, and the pytest suite.
 # `scripts/test.sh cpp|tsan|aarch64|python` runs one part. `scripts/test.sh asan [pytest args]`
-# (not part of the default: about 25 minutes on 2 cores) runs the pytest suite against the
+# (not part of the default: about 35 minutes on 2 cores, 10 of them the first build) runs the pytest suite against the
 # extension built with AddressSanitizer + UBSan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
