@@ -189,6 +189,19 @@ from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 # moved to its superchip device on arrival, in the process that iterates the DataLoader.
 # Storages, and tensors sent by anything else, still raise: a copy where torch shares (a model
 # trained by several processes, Hogwild-style) would be a silent wrong result.
+#
+# Where the refusal is raised matters. Process arguments and SimpleQueue pickle in the
+# caller, which sees the error. A multiprocessing.Queue pickles later, in its feeder thread,
+# whose default error hook only prints a traceback in the sender and drops the object: the
+# receiver's get() waited for ever (found by review). There the tensor travels as the refusal
+# itself, and unpickling it raises the same message in the receiver's get(); the sender also
+# warns. Queues with their own error hook (concurrent.futures' process pools hand the error
+# to the future) still get the exception.
+#
+# `share_memory_()` asks for exactly what cannot be given: torch makes it a no-op for a
+# PrivateUse1 device and `is_shared()` answered True, so a Hogwild script (model.share_memory(),
+# then forked trainers) trained a private copy per process and the parent saw none of their
+# updates, without a word. It now raises, and `is_shared()` is False for superchip storages.
 def _in_dataloader_worker() -> bool:
     worker = _sys.modules.get("torch.utils.data._utils.worker")
     return worker is not None and getattr(worker, "_worker_info", None) is not None
@@ -201,6 +214,33 @@ def _rebuild_from_worker(cpu, device, parameter):
     return out.requires_grad_(cpu.requires_grad)
 
 
+import warnings as _warnings  # noqa: E402
+
+
+def _not_sendable(what: str) -> str:
+    return (f"a superchip {what} cannot be sent to another process: superchip memory belongs "
+            f"to the process that allocated it (there is no inter-process sharing as for CUDA). "
+            f"Send tensor.cpu() (or a state_dict of CPU tensors) and move it with "
+            f".to('superchip') in the other process, or start the child with the 'fork' method, "
+            f"which inherits a copy of its own without pickling.")
+
+
+def _in_a_queue_feeder_that_only_prints() -> bool:
+    # multiprocessing.Queue's feeder thread runs Queue._feed(..., onerror, queue_sem); the
+    # default onerror is the staticmethod Queue._on_queue_feeder_error (prints, drops the item).
+    import threading
+    from multiprocessing import queues
+
+    args = getattr(threading.current_thread(), "_args", ())
+    return (threading.current_thread().name == "QueueFeederThread" and len(args) >= 2
+            and args[-2] is queues.Queue._on_queue_feeder_error)
+
+
+def _refused_in_transit(message):
+    raise RuntimeError(f"{message} (raised where the object was received: a "
+                       f"multiprocessing.Queue pickles in a background thread of the sender)")
+
+
 def _wrap_reducer(reduce):
     def reducer(obj):
         device = getattr(obj, "device", None)
@@ -210,14 +250,32 @@ def _wrap_reducer(reduce):
                     reduce(obj)  # torch's own refusal of a non-leaf tensor that requires grad
                 cpu = obj.detach().cpu().requires_grad_(obj.requires_grad)
                 return _rebuild_from_worker, (cpu, str(device), isinstance(obj, torch.nn.Parameter))
-            raise RuntimeError(
-                f"a superchip {type(obj).__name__} cannot be sent to another process: superchip "
-                f"memory belongs to the process that allocated it (there is no inter-process "
-                f"sharing as for CUDA). Send tensor.cpu() (or a state_dict of CPU tensors) and "
-                f"move it with .to('superchip') in the other process, or start the child with "
-                f"the 'fork' method, which inherits it without pickling.")
+            message = _not_sendable(type(obj).__name__)
+            if _in_a_queue_feeder_that_only_prints():
+                _warnings.warn(f"{message} The receiver's get() raises this error.", RuntimeWarning)
+                return _refused_in_transit, (message,)
+            raise RuntimeError(message)
         return reduce(obj)
     return reducer
+
+
+def _refuse_sharing(share_memory_, is_shared):
+    @_functools.wraps(share_memory_)
+    def refusing_share_memory_(self, *args, **kwargs):
+        if self.device.type == "superchip":
+            raise RuntimeError(
+                "share_memory_(): superchip memory cannot be shared between processes (a forked "
+                "child gets a copy of its own, and pickling a superchip tensor for another "
+                "process is refused), so processes training one model Hogwild-style would each "
+                "train their own copy. Share a CPU model (model.cpu().share_memory()), or train "
+                "in one process, or across processes with torch.distributed (DDP, FSDP2).")
+        return share_memory_(self, *args, **kwargs)
+
+    @_functools.wraps(is_shared)
+    def truthful_is_shared(self):
+        return False if self.device.type == "superchip" else is_shared(self)
+
+    return refusing_share_memory_, truthful_is_shared
 
 
 def _register_reducers() -> None:
@@ -229,6 +287,9 @@ def _register_reducers() -> None:
     for cls in (torch.Tensor, torch.nn.parameter.Parameter):
         ForkingPickler.register(cls, tensor)
     ForkingPickler.register(torch.UntypedStorage, storage)
+    storage_class = torch.UntypedStorage
+    storage_class.share_memory_, storage_class.is_shared = _refuse_sharing(
+        storage_class.share_memory_, storage_class.is_shared)
 
 
 _register_reducers()

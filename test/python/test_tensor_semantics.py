@@ -430,6 +430,48 @@ def test_sending_a_superchip_tensor_to_another_process_says_what_to_do():
     assert torch.equal(cpu, torch.arange(4.0))
 
 
+def _put_a_superchip_tensor(queue):
+    queue.put(torch.arange(4.0, device="superchip"))
+    queue.put("next")  # what follows still arrives
+
+
+def test_a_queue_receiver_gets_the_refusal_instead_of_waiting():
+    # Note [Tensors sent to another process]: a multiprocessing.Queue pickles in its feeder
+    # thread, which printed the refusal and dropped the tensor: get() waited for ever. The
+    # refusal now travels in its place and get() raises it. Forked on the CPU executor (a
+    # forked child cannot use CUDA); spawned on CUDA's.
+    import multiprocessing
+    import queue as queue_module
+    context = multiprocessing.get_context("spawn" if superchip.executor() == "cuda" else "fork")
+    q = context.Queue()
+    child = context.Process(target=_put_a_superchip_tensor, args=(q,))
+    child.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot be sent to another process.*\.cpu\(\).*received"):
+            q.get(timeout=60)
+        assert q.get(timeout=60) == "next"
+    except queue_module.Empty:
+        pytest.fail("the receiver waited for the superchip tensor until its timeout")
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def test_share_memory_is_refused_rather_than_pretended():
+    # Note [Tensors sent to another process]: torch makes share_memory_() a no-op for a
+    # PrivateUse1 device and is_shared() said True, so a Hogwild script (share_memory(), then
+    # forked trainers) trained a private copy per process without a word.
+    model = torch.nn.Linear(4, 4).to("superchip")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not model.weight.is_shared() and not model.weight.untyped_storage().is_shared()
+    for share in (model.share_memory, model.weight.share_memory_,
+                  model.weight.untyped_storage().share_memory_):
+        with pytest.raises(RuntimeError, match=r"share_memory_\(\): superchip memory cannot be shared.*distributed"):
+            share()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert torch.ones(3).share_memory_().is_shared()  # CPU tensors as before
+
+
 class _RowsOnTheDevice(torch.utils.data.Dataset):
     def __len__(self):
         return 8
