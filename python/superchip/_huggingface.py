@@ -76,6 +76,9 @@ the CPU afterwards.
 Note [Pipelines' device]); a model already on superchip
   stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
   given.
+- ``attn_implementation="flex_attention"`` asks FlexAttention for the log-sum-exp on any device
+  but the CPU, which has none; on superchip with the CPU executor it is asked as on the CPU
+  (point 21 of Note [Why superchip patches Inductor] makes FlexAttention itself run there).
 - safetensors opens files for a superchip device (Note [safetensors' device names]):
   ``safe_open(..., device=D)``, ``safetensors.torch.load_file(..., device=D)`` and what calls them
   (peft's ``load_peft_weights`` and ``PeftModel.from_pretrained(..., torch_device=D)``,
@@ -479,6 +482,17 @@ def _patch_safetensors() -> None:
     safetensors.safe_open = patched
 
 
+def _patch_flex_attention() -> None:
+    import transformers.integrations.flex_attention as flex
+
+    from . import executor
+    from ._inductor.patches import _rewrite_code
+    # A tuple global, not a call: Dynamo traces the function inside a compiled model.
+    flex._superchip_cpu_like = ("cpu", "superchip") if executor() == "cpu" else ("cpu",)
+    _rewrite_code(flex.flex_attention_forward, ('return_lse = query.device.type != "cpu"',
+                                                "return_lse = query.device.type not in _superchip_cpu_like"))
+
+
 def install() -> None:
     """Patches accelerate, transformers and safetensors now if they are loaded, else right after they load."""
     from ._after_import import after_import
@@ -497,5 +511,7 @@ def install() -> None:
                  "transformers' offloaded caches could not be given superchip's streams")
     after_import("transformers.pipelines.base", _patch_pipelines,
                  "transformers' pipelines could not be given superchip's device")
+    after_import("transformers.integrations.flex_attention", _patch_flex_attention,
+                 "transformers' FlexAttention could not run on superchip's CPU executor")
     after_import("safetensors", _patch_safetensors,
                  "safetensors could not be given superchip's device names")

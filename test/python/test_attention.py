@@ -226,3 +226,93 @@ def test_the_attention_entry_has_fake_rules_both_ways():
             torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
     assert [tuple(g.shape) for g in grads[:3]] == [(2, 16, 4, 36)] * 3
     assert [g.stride() for g in grads[:3]] == [q.stride(), k.stride(), v.stride()]
+
+
+# ---- FlexAttention (point 21 of Note [Why superchip patches Inductor]) ----
+# torch.nn.attention.flex_attention refused superchip ("FlexAttention is only supported on
+# CUDA, CPU, HPU, or MPS devices"), eager and compiled. It now runs as on the executor's device.
+
+def _causal(b, h, q, k):
+    return q >= k
+
+
+def _relative_bias(score, b, h, q, k):
+    return score + (q - k) * 0.01
+
+
+def _flex_inputs(dtype):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, dtype=dtype)
+    return q, torch.randn(2, 2, 64, 16, dtype=dtype), torch.randn(2, 2, 64, 16, dtype=dtype)
+
+
+def _flex(device, dtype, compiled, requires_grad=False):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (t.to(device).requires_grad_(requires_grad) for t in _flex_inputs(dtype))
+    block_mask = create_block_mask(_causal, 2, None, 64, 64, device=device)
+    attend = torch.compile(flex_attention) if compiled else flex_attention
+    out = attend(q, k, v, score_mod=_relative_bias, block_mask=block_mask, enable_gqa=True)
+    return out, (q, k, v)
+
+
+@pytest.mark.skipif(EXECUTOR != "cpu", reason="the CPU executor's FlexAttention is the CPU's (inference)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_gives_the_cpus_bits(compiled):
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            got, _ = _flex("superchip", dtype, compiled)
+            want, _ = _flex("cpu", dtype, compiled)
+        assert got.device.type == "superchip" and got.dtype == dtype
+        assert torch.equal(got.cpu(), want), dtype
+    # The CPU has no FlexAttention backward: refused as on the CPU, saying why for superchip.
+    with pytest.raises(NotImplementedError, match="backward on superchip with the CPU executor.*sdpa"):
+        _flex("superchip", torch.float32, compiled, requires_grad=True)
+
+
+@pytest.mark.skipif(EXECUTOR != "cuda", reason="needs the CUDA executor (a GPU)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_trains_on_the_cuda_executor(compiled):
+    # Eager: torch's dense implementation; compiled: Inductor's Triton templates. The
+    # reference is the same attention written out in float64 on the CPU.
+    out, inputs = _flex("superchip", torch.float32, compiled, requires_grad=True)
+    out.sum().backward()
+    q, k, v = (t.detach().double().requires_grad_() for t in _flex_inputs(torch.float64))
+    rows, cols = torch.arange(64).view(-1, 1), torch.arange(64).view(1, -1)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0 + (rows - cols) * 0.01
+    scores = scores.masked_fill(rows < cols, float("-inf"))
+    want = scores.softmax(-1) @ v.repeat_interleave(2, 1)
+    want.sum().backward()
+    torch.testing.assert_close(out.detach().cpu().double(), want.detach(), rtol=1e-4, atol=1e-4)
+    for got, ref in zip(inputs, (q, k, v)):
+        torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(EXECUTOR != "cpu", reason="the CPU executor's FlexAttention is the CPU's (inference)")
+def test_transformers_flex_attention_gives_the_cpus_logits():
+    # transformers asks FlexAttention for the log-sum-exp on any device but the CPU, which
+    # cannot give one compiled ("return_lse is not supported yet"): asked as on the CPU.
+    # Forward only: generate() with FlexAttention fails on the CPU itself (torch's C++ template,
+    # "cur_kvSplitSize0 was not declared"). A fresh process: transformers compiles
+    # FlexAttention once per process.
+    proc = run_python("""
+import torch, superchip
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     attn_implementation="flex_attention")
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval()
+ids = torch.randint(0, 128, (2, 24))
+mask = torch.ones_like(ids)
+mask[1, :5] = 0
+logits = {}
+for device in ("cpu", "superchip"):
+    model.to(device)
+    with torch.no_grad():
+        logits[device] = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+assert logits["superchip"].device.type == "superchip"
+assert torch.equal(logits["superchip"].cpu(), logits["cpu"])
+print("OK")
+""", timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -181,6 +181,22 @@ still compare the device type with a fixed list instead of asking the registrati
    last bits on either device). With the CUDA executor the same rewrites give superchip
    CUDA's side of the checks for ``"cuda"`` that 2.12 and 2.13 add (below).
 
+21. FlexAttention (``torch.nn.attention.flex_attention``) accepts a fixed list of device types
+   (``_validate_device``: "FlexAttention is only supported on CUDA, CPU, HPU, or MPS
+   devices. Found input tensors on superchip device"), so a model with
+   ``attn_implementation="flex_attention"`` (transformers) or a hand-written ``flex_attention``
+   call did not run on superchip, eager or compiled (found by a user-flow probe). The check,
+   the kernel options it sets for the CPU (no logsumexp output for inference, no max scores:
+   ``_apply_kernel_options``) and the lowering's choice between the C++ template and the
+   Triton templates (``torch._inductor.kernel.flex.flex_attention.flex_attention``) answer for
+   superchip as for its executor: with the CPU executor, inference as on the CPU (the CPU has
+   no FlexAttention backward, and superchip refuses one with the CPU's reason) and the CPU's
+   bits, eager and compiled; with the CUDA executor, training as on CUDA (eager: torch's dense
+   implementation, device-generic; compiled: the Triton templates; untested: no GPU in CI).
+   The eager half is patched at ``import superchip`` (``torch.nn.attention.flex_attention``
+   imports no Dynamo), the lowering with Inductor's registration; on a torch whose sources
+   lack these expressions FlexAttention keeps torch's refusal of superchip.
+
 The rewrites of points 13, 14 and 20 change expressions in a copy of the function's code
 (``_rewrite_code``); where a torch's source lacks one, ``apply()`` raises (point 20 expects
 some only from 2.12). Point 15 uses the same rewrite.
@@ -378,6 +394,7 @@ def apply() -> None:
     _patch_heuristics_device_checks()
     _patch_pointwise_device()
     patch_guard_repr()
+    _patch_flex_attention_lowering()
     if superchip.executor() == "cuda":
         _patch_device_properties()
         _patch_triton_device_checks()
@@ -405,8 +422,56 @@ def apply_fake_rules() -> None:
         _patch_rng_state_ops()
         _patch_dropout_tracing()
         _register_attention_backward_meta()
+        _patch_flex_attention_checks()
     except RuntimeError as e:  # a name this torch lacks: import still works, compile says why
         _fake_rules_error = e
+
+
+_flex_attention_patched = False
+
+
+def _patch_flex_attention_checks() -> None:
+    """Point 21, eager half: FlexAttention's device check and its CPU kernel options."""
+    global _flex_attention_patched
+    from torch.nn.attention import flex_attention as flex
+
+    validate = getattr(flex, "_validate_device", None)
+    options = getattr(flex, "_apply_kernel_options", None)
+    if validate is None or options is None or getattr(validate, "_superchip", False):
+        return
+    try:
+        # A tuple global, not a call: Dynamo traces _apply_kernel_options inside compiled code.
+        flex._superchip_cpu_like = ("cpu", "superchip") if superchip.executor() == "cpu" else ("cpu",)
+        _rewrite_code(options, *((f'{t}.device.type == "cpu"', f"{t}.device.type in _superchip_cpu_like")
+                                 for t in ("query", "key", "value")))
+    except RuntimeError:
+        return  # this torch's source differs: FlexAttention keeps refusing superchip
+
+    def validate_device(query, key, value):
+        if query.device.type != "superchip":
+            return validate(query, key, value)
+        if superchip.executor() == "cpu" and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad):
+            raise NotImplementedError(
+                "FlexAttention does not support backward on superchip with the CPU executor (the "
+                "CPU has no FlexAttention backward; superchip runs the CPU's kernels). Set the "
+                "inputs' requires_grad to False (inference), or use another attention "
+                "implementation for training (scaled_dot_product_attention; in transformers, "
+                "attn_implementation=\"sdpa\").")
+
+    validate_device._superchip = True
+    flex._validate_device = validate_device
+    _flex_attention_patched = True
+
+
+def _patch_flex_attention_lowering() -> None:
+    """Point 21, compiled half: the C++ template for superchip with the CPU executor."""
+    if not _flex_attention_patched:
+        return  # eager flex_attention refuses superchip on this torch: nothing reaches the lowering
+    from torch._inductor.kernel.flex import flex_attention as lowering
+
+    _rewrite_code(lowering.flex_attention, ('if query.get_device().type == "cpu":',
+                                            f'if {_EXECUTOR_TYPE}(query.get_device().type) == "cpu":'))
 
 
 def _patch_meta_device_hint() -> None:
