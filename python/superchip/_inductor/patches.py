@@ -192,7 +192,9 @@ still compare the device type with a fixed list instead of asking the registrati
    superchip as for its executor: with the CPU executor, inference as on the CPU (the CPU has
    no FlexAttention backward, and superchip refuses one with the CPU's reason) and the CPU's
    bits, eager and compiled; with the CUDA executor, training as on CUDA (eager: torch's dense
-   implementation, device-generic; compiled: the Triton templates; untested: no GPU in CI).
+   implementation, device-generic; compiled: the Triton templates, with CUDA's table of block
+   sizes and warps, ``InductorChoices.get_config_heuristics``, where superchip got the generic
+   one; untested: no GPU in CI).
    The eager half is patched at ``import superchip`` (``torch.nn.attention.flex_attention``
    imports no Dynamo), the lowering with Inductor's registration; on a torch whose sources
    lack these expressions FlexAttention keeps torch's refusal of superchip.
@@ -472,6 +474,19 @@ def _patch_flex_attention_lowering() -> None:
 
     _rewrite_code(lowering.flex_attention, ('if query.get_device().type == "cpu":',
                                             f'if {_EXECUTOR_TYPE}(query.get_device().type) == "cpu":'))
+    # The templates' block sizes and warps: the executor's table (CUDA's), not the generic one.
+    from torch._inductor.choices import InductorChoices
+
+    original = InductorChoices.get_config_heuristics
+    if getattr(original, "_superchip", False):
+        return
+
+    def get_config_heuristics(self, device_type="cuda"):
+        return original(self, executor_type(device_type) if device_type == "superchip" else device_type)
+
+    get_config_heuristics.__wrapped__ = original  # type: ignore[attr-defined]
+    get_config_heuristics._superchip = True  # type: ignore[attr-defined]
+    InductorChoices.get_config_heuristics = get_config_heuristics
 
 
 def _patch_meta_device_hint() -> None:
