@@ -449,11 +449,12 @@ def _patch_flex_attention_checks() -> None:
     except RuntimeError:
         return  # this torch's source differs: FlexAttention keeps refusing superchip
 
+    cpu_executor = superchip.executor() == "cpu"  # a constant: Dynamo traces this function
+
     def validate_device(query, key, value):
         if query.device.type != "superchip":
             return validate(query, key, value)
-        if superchip.executor() == "cpu" and (query.requires_grad or key.requires_grad
-                                              or value.requires_grad):
+        if cpu_executor and (query.requires_grad or key.requires_grad or value.requires_grad):
             raise NotImplementedError(
                 "FlexAttention does not support backward on superchip with the CPU executor (the "
                 "CPU has no FlexAttention backward; superchip runs the CPU's kernels). Set the "
