@@ -485,10 +485,9 @@ def _patch_safetensors() -> None:
 def _patch_flex_attention() -> None:
     import transformers.integrations.flex_attention as flex
 
-    from . import executor
-    from ._inductor.patches import _rewrite_code
-    # A tuple global, not a call: Dynamo traces the function inside a compiled model.
-    flex._superchip_cpu_like = ("cpu", "superchip") if executor() == "cpu" else ("cpu",)
+    from ._inductor.patches import _rewrite_code, cpu_like_device_types
+
+    flex._superchip_cpu_like = cpu_like_device_types()  # Dynamo traces it in a compiled model
     _rewrite_code(flex.flex_attention_forward, ('return_lse = query.device.type != "cpu"',
                                                 "return_lse = query.device.type not in _superchip_cpu_like"))
 

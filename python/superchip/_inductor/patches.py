@@ -432,6 +432,12 @@ def apply_fake_rules() -> None:
 _flex_attention_patched = False
 
 
+def cpu_like_device_types() -> tuple[str, ...]:
+    """The device types whose operators run the CPU's kernels: a tuple, for code Dynamo
+    traces (a call into superchip's C++ there would break the graph)."""
+    return ("cpu", "superchip") if superchip.executor() == "cpu" else ("cpu",)
+
+
 def _patch_flex_attention_checks() -> None:
     """Point 21, eager half: FlexAttention's device check and its CPU kernel options."""
     global _flex_attention_patched
@@ -442,8 +448,7 @@ def _patch_flex_attention_checks() -> None:
     if validate is None or options is None or getattr(validate, "_superchip", False):
         return
     try:
-        # A tuple global, not a call: Dynamo traces _apply_kernel_options inside compiled code.
-        flex._superchip_cpu_like = ("cpu", "superchip") if superchip.executor() == "cpu" else ("cpu",)
+        flex._superchip_cpu_like = cpu_like_device_types()  # Dynamo traces _apply_kernel_options
         _rewrite_code(options, *((f'{t}.device.type == "cpu"', f"{t}.device.type in _superchip_cpu_like")
                                  for t in ("query", "key", "value")))
     except RuntimeError:
