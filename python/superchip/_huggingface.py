@@ -76,6 +76,11 @@ the CPU afterwards.
 Note [Pipelines' device]); a model already on superchip
   stays there. ``device=-1``, device names and ``torch.device`` objects are transformers' as
   given.
+- ``generate()`` on a mixture-of-experts model switches the experts from ``grouped_mm`` to
+  ``batched_mm`` while decoding on any device but the CPU (and MPS): on superchip with the CPU
+  executor the experts stay ``grouped_mm``, as on the CPU, so generation gives the CPU's logits
+  (with the switch, Mixtral's and Qwen3-MoE's scores were 1 ulp off the CPU's; found by a
+  user-flow probe). With the CUDA executor they switch, as on CUDA.
 - ``attn_implementation="flex_attention"`` asks FlexAttention for the log-sum-exp on any device
   but the CPU, which has none; on superchip with the CPU executor it is asked as on the CPU
   (point 21 of Note [Why superchip patches Inductor] makes FlexAttention itself run there).
@@ -492,6 +497,16 @@ def _patch_flex_attention() -> None:
                                                 "return_lse = query.device.type not in _superchip_cpu_like"))
 
 
+def _patch_decode_experts() -> None:
+    from transformers.generation.utils import GenerationMixin
+
+    from ._inductor.patches import _rewrite_code, cpu_like_device_types
+
+    sys.modules[GenerationMixin.__module__]._superchip_cpu_like = cpu_like_device_types()
+    _rewrite_code(GenerationMixin._optimize_model_for_decode,
+                  ('keep_grouped_mm = device_type == "cpu"', "keep_grouped_mm = device_type in _superchip_cpu_like"))
+
+
 def install() -> None:
     """Patches accelerate, transformers and safetensors now if they are loaded, else right after they load."""
     from ._after_import import after_import
@@ -510,6 +525,8 @@ def install() -> None:
                  "transformers' offloaded caches could not be given superchip's streams")
     after_import("transformers.pipelines.base", _patch_pipelines,
                  "transformers' pipelines could not be given superchip's device")
+    after_import("transformers.generation.utils", _patch_decode_experts,
+                 "generate() could not keep the CPU's experts kernel on superchip's CPU executor")
     after_import("transformers.integrations.flex_attention", _patch_flex_attention,
                  "transformers' FlexAttention could not run on superchip's CPU executor")
     after_import("safetensors", _patch_safetensors,
