@@ -198,10 +198,15 @@ from . import distributed  # noqa: E402,F401  (registers the sccl c10d backend)
 # warns. Queues with their own error hook (concurrent.futures' process pools hand the error
 # to the future) still get the exception.
 #
-# `share_memory_()` asks for exactly what cannot be given: torch makes it a no-op for a
-# PrivateUse1 device and `is_shared()` answered True, so a Hogwild script (model.share_memory(),
-# then forked trainers) trained a private copy per process and the parent saw none of their
-# updates, without a word. It now raises, and `is_shared()` is False for superchip storages.
+# `share_memory()` asks for what cannot be given: torch makes it a no-op for a PrivateUse1
+# device and `is_shared()` answered True, so a Hogwild script (model.share_memory(), then
+# forked trainers) trained a private copy per process and the parent saw none of their
+# updates, without a word. `Module.share_memory()`, the Hogwild call, now raises before it
+# changes anything. A tensor's or storage's `share_memory_()` stays a no-op with a warning
+# (once): libraries call it on small tensors they may never send (datasets' iterable datasets
+# share their epoch counter at construction, a superchip tensor under
+# torch.set_default_device("superchip")), and a first version that raised there broke them.
+# `is_shared()` is False for superchip storages.
 def _in_dataloader_worker() -> bool:
     worker = _sys.modules.get("torch.utils.data._utils.worker")
     return worker is not None and getattr(worker, "_worker_info", None) is not None
@@ -214,6 +219,7 @@ def _rebuild_from_worker(cpu, device, parameter):
     return out.requires_grad_(cpu.requires_grad)
 
 
+import itertools as _itertools  # noqa: E402
 import warnings as _warnings  # noqa: E402
 
 
@@ -259,23 +265,38 @@ def _wrap_reducer(reduce):
     return reducer
 
 
-def _refuse_sharing(share_memory_, is_shared):
+_NOT_SHARED = ("superchip memory cannot be shared between processes (a forked child gets a copy "
+               "of its own, and pickling a superchip tensor for another process is refused)")
+_warned_share_memory = False
+
+
+def _refuse_sharing(share_memory_, is_shared, module_share_memory):
     @_functools.wraps(share_memory_)
-    def refusing_share_memory_(self, *args, **kwargs):
-        if self.device.type == "superchip":
-            raise RuntimeError(
-                "share_memory_(): superchip memory cannot be shared between processes (a forked "
-                "child gets a copy of its own, and pickling a superchip tensor for another "
-                "process is refused), so processes training one model Hogwild-style would each "
-                "train their own copy. Share a CPU model (model.cpu().share_memory()), or train "
-                "in one process, or across processes with torch.distributed (DDP, FSDP2).")
-        return share_memory_(self, *args, **kwargs)
+    def share_memory_or_warn(self, *args, **kwargs):
+        global _warned_share_memory
+        if self.device.type != "superchip":
+            return share_memory_(self, *args, **kwargs)
+        if not _warned_share_memory:
+            _warned_share_memory = True
+            _warnings.warn(f"share_memory_() does nothing for a superchip tensor: {_NOT_SHARED}; "
+                           f"other processes see none of its later changes.", RuntimeWarning, stacklevel=2)
+        return self
 
     @_functools.wraps(is_shared)
     def truthful_is_shared(self):
         return False if self.device.type == "superchip" else is_shared(self)
 
-    return refusing_share_memory_, truthful_is_shared
+    @_functools.wraps(module_share_memory)
+    def refusing_module_share_memory(self):
+        if any(t.device.type == "superchip" for t in _itertools.chain(self.parameters(), self.buffers())):
+            raise RuntimeError(
+                f"{type(self).__name__}.share_memory(): {_NOT_SHARED}, so processes training "
+                f"this model Hogwild-style would each train their own copy. Share a CPU model "
+                f"(model.cpu().share_memory()), or train in one process, or across processes "
+                f"with torch.distributed (DDP, FSDP2).")
+        return module_share_memory(self)
+
+    return share_memory_or_warn, truthful_is_shared, refusing_module_share_memory
 
 
 def _register_reducers() -> None:
@@ -287,9 +308,9 @@ def _register_reducers() -> None:
     for cls in (torch.Tensor, torch.nn.parameter.Parameter):
         ForkingPickler.register(cls, tensor)
     ForkingPickler.register(torch.UntypedStorage, storage)
-    storage_class = torch.UntypedStorage
-    storage_class.share_memory_, storage_class.is_shared = _refuse_sharing(
-        storage_class.share_memory_, storage_class.is_shared)
+    storage_class, module_class = torch.UntypedStorage, torch.nn.Module
+    storage_class.share_memory_, storage_class.is_shared, module_class.share_memory = _refuse_sharing(
+        storage_class.share_memory_, storage_class.is_shared, module_class.share_memory)
 
 
 _register_reducers()

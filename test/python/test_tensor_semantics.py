@@ -461,14 +461,25 @@ def test_share_memory_is_refused_rather_than_pretended():
     # Note [Tensors sent to another process]: torch makes share_memory_() a no-op for a
     # PrivateUse1 device and is_shared() said True, so a Hogwild script (share_memory(), then
     # forked trainers) trained a private copy per process without a word.
+    import warnings
     model = torch.nn.Linear(4, 4).to("superchip")
+    model.register_buffer("steps", torch.zeros((), device="superchip"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert not model.weight.is_shared() and not model.weight.untyped_storage().is_shared()
-    for share in (model.share_memory, model.weight.share_memory_,
-                  model.weight.untyped_storage().share_memory_):
-        with pytest.raises(RuntimeError, match=r"share_memory_\(\): superchip memory cannot be shared.*distributed"):
-            share()
+    with pytest.raises(RuntimeError, match=r"Linear.share_memory\(\): superchip memory cannot be shared.*distributed"):
+        model.share_memory()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    cpu_model = torch.nn.Linear(4, 4)
+    assert cpu_model.share_memory() is cpu_model and cpu_model.weight.is_shared()  # CPU modules as before
+    # A tensor's share_memory_() (datasets shares a counter it may never send) warns once.
+    counter = torch.zeros((), device="superchip")
+    superchip._warned_share_memory = False  # whatever ran before in this process
+    with pytest.warns(RuntimeWarning, match="share_memory_\\(\\) does nothing for a superchip tensor"):
+        assert counter.share_memory_() is counter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counter.untyped_storage().share_memory_()  # once per process
+    assert not counter.is_shared()
     assert torch.ones(3).share_memory_().is_shared()  # CPU tensors as before
 
 
