@@ -178,6 +178,7 @@ class Engine:
         self.tail = 0
         self.order: list = []                # this backward's finishing order
         self.fired: dict = {}                # param -> hook firings since the last step()
+        self.grad_versions: dict = {}        # param -> its gradient's version at its first firing
         self.ready: dict = {}                # bucket -> firings
         self.specs: dict = {}                # bucket -> _Speculation (this step)
         self.outstanding: list = []          # speculations whose outcome is not counted yet
@@ -308,6 +309,8 @@ class Engine:
             self._begin_backward()
         n = self.fired.get(p, 0) + 1
         self.fired[p] = n
+        if n == 1:
+            self.grad_versions[p] = p.grad._version
         if n > 1:
             # A second backward() before step(): gradients accumulate, speculation is off.
             self.multi_backward = True
@@ -344,10 +347,17 @@ class Engine:
     # gradients were reset in between: a parameter of the last backward without a gradient
     # now means zero_grad(set_to_none=True) ran, and the engine does what the optimizer's own
     # zero_grad() does. Gradients accumulating (all still there) keep the accumulation path.
-    # A reset to zeros in place (set_to_none=False) cannot be told from accumulation and
-    # still counts as one, as before.
+    # A reset to zeros in place (model.zero_grad(set_to_none=False)) moved every gradient's
+    # version on since it fired; so did clipping or unscaling between micro-batches, which
+    # keep their values: where every version moved, the smallest gradient is read, and zeros
+    # there mean a reset. The read happens at the first gradient of such a backward only.
     def _grads_were_reset(self, p) -> bool:
-        return any(q.grad is None for q in self.fired if q is not p)
+        others = [q for q in self.fired if q is not p]
+        if any(q.grad is None for q in others):
+            return True
+        if not others or any(q.grad._version == self.grad_versions.get(q) for q in others):
+            return False
+        return not bool(min(others, key=lambda q: q.grad.numel()).grad.any())
 
     def _poll_reduced(self) -> None:
         if self.ddp is not None and (self.speculating or self.probing):
@@ -710,7 +720,7 @@ class Engine:
             self.ddp.listening = False
             self.ddp.ready.clear()
         self.specs = {}
-        self.fired = {}
+        self.fired, self.grad_versions = {}, {}
         self.ready = {}
         self.ready_ok, self.exposed_at = set(), {}
         self.last_spec = None

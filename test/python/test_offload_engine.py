@@ -243,11 +243,12 @@ def test_sgd_asynchronous_step_is_exact():
     _assert_same(_train(torch.float32, False, **kw), _train(torch.float32, True, **kw))
 
 
-@pytest.mark.parametrize("zero", ["optimizer", "model"])
+@pytest.mark.parametrize("zero", ["optimizer", "model", "model-in-place"])
 def test_gradscaler_fp16_with_overflow_steps(zero):
     # zero="model": the Hugging Face Trainer's loop (model.zero_grad(); fp16=True skips the
     # optimizer's step() on an overflow). Note [A backward after the model's zero_grad]: the
-    # engine never heard of that skipped step, and skipped_steps stayed 0.
+    # engine never heard of that skipped step, and skipped_steps stayed 0; "model-in-place":
+    # model.zero_grad(set_to_none=False), which zeroes the gradients in place.
     def run(overlap):
         model, opt = _make(torch.float32, overlap)
         scaler = torch.amp.GradScaler("superchip", init_scale=2.0**16, growth_interval=2)
@@ -261,7 +262,10 @@ def test_gradscaler_fp16_with_overflow_steps(zero):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
-            (model if zero == "model" else opt).zero_grad()
+            if zero == "model-in-place":
+                model.zero_grad(set_to_none=False)
+            else:
+                (model if zero == "model" else opt).zero_grad()
             losses.append(loss.item())
             scales.append(scaler.get_scale())
         return model, opt, losses, scales
